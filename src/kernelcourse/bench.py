@@ -1,0 +1,115 @@
+"""Timing on a GPU, and recorded GPU results for readers without one (introduced in chapter 01).
+
+On a GPU, ``measured_or_recorded(name, measure)`` runs ``measure()`` now. On the CPU it loads what a
+GPU run saved under ``kernelcourse/recorded/<name>.json`` and says where and when it was recorded.
+A GPU run saves (or refreshes) that file only when ``KC_RECORD=1``, which
+``python tools/stamp.py --record notebooks/NN_slug.ipynb`` sets: the lesson notebook is the script
+that regenerates its own recorded data, on any GPU.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .world import world
+
+RECORDED_DIR = Path(__file__).parent / "recorded"
+
+
+def do_bench(fn, *, warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds, with CUDA events and a flushed L2 between runs.
+
+    A thin wrapper over ``triton.testing.do_bench`` (warm-up and repetitions are in milliseconds).
+    """
+    if not world().gpu:
+        raise RuntimeError("timing needs a CUDA GPU; on the CPU, notebooks show recorded results instead")
+    from triton.testing import do_bench as _do_bench
+
+    return float(_do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """Effective bandwidth in GB/s (10^9 bytes per second) of moving ``nbytes`` in ``ms`` milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def provenance() -> dict:
+    w = world()
+    return {
+        "gpu": w.name,
+        "compute_capability": ".".join(map(str, w.capability)) if w.capability else None,
+        "versions": w.versions,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+        "command": os.environ.get("KC_RECORD_COMMAND", "interactive"),
+    }
+
+
+@dataclass
+class Results:
+    name: str
+    rows: list[dict]
+    provenance: dict
+    recorded: bool  # True when loaded from a file rather than measured now
+
+    @property
+    def label(self) -> str:
+        p = self.provenance
+        when = "recorded" if self.recorded else "measured"
+        return f"{when} on {p['gpu']}, {p['date']}"
+
+    def column(self, key: str) -> list:
+        return [r[key] for r in self.rows]
+
+    def select(self, **where) -> list[dict]:
+        return [r for r in self.rows if all(r.get(k) == v for k, v in where.items())]
+
+
+def recorded_path(name: str) -> Path:
+    return RECORDED_DIR / f"{name}.json"
+
+
+def load(name: str) -> Results:
+    path = recorded_path(name)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no recorded GPU results for {name!r} ({path}); run "
+            f"`python tools/stamp.py --record notebooks/{name}.ipynb` on a GPU to make them"
+        )
+    data = json.loads(path.read_text())
+    return Results(name, data["rows"], data["provenance"], recorded=True)
+
+
+def save(results: Results) -> Path:
+    path = recorded_path(results.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"provenance": results.provenance, "rows": results.rows}
+    path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def measured_or_recorded(name: str, measure) -> Results:
+    """Measure now on a GPU (``measure()`` returns a list of dict rows), or load the recorded rows."""
+    if world().gpu:
+        results = Results(name, measure(), provenance(), recorded=False)
+        if os.environ.get("KC_RECORD") == "1":
+            save(results)
+    else:
+        results = load(name)
+        p = results.provenance
+        v = p["versions"]
+        print(f"No GPU here: these are results recorded on {p['gpu']} on {p['date']} "
+              f"(torch {v['torch']}, triton {v['triton']}), not measured now.")
+    return results
+
+
+def table(rows: list[dict], columns: dict[str, str]) -> str:
+    """Render ``rows`` as a fixed-width text table; ``columns`` maps row keys to format specs."""
+    heads = list(columns)
+    cells = [[format(r[k], columns[k]) for k in heads] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""Graders for the course's exercises (introduced in chapter 01; see the "How grading works" page).
+
+A grader cell is one call: ``kc.grading.check("01.1", globals())``. It looks up the names the
+exercise defines, runs the learner's code on fresh random inputs of several sizes and seeds, prints
+one deterministic line per check, and raises ``GradeFailure`` if any check failed, so that nbval (and
+``make grade``) count the cell as failed. Learner code that raises, hangs or returns nonsense gets a
+one-line explanation instead of a traceback from inside the grader.
+"""
+from __future__ import annotations
+
+import importlib
+import signal
+import threading
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PASS, FAIL = "✔", "✘"
+DEFAULT_TIME_LIMIT_S = 120
+
+
+class GradeFailure(AssertionError):
+    """Raised at the end of a grader cell when at least one check failed."""
+
+
+class TimeLimit(Exception):
+    pass
+
+
+@dataclass
+class Exercise:
+    id: str
+    title: str
+    names: tuple[str, ...]
+    grade: callable
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+
+
+_EXERCISES: dict[str, Exercise] = {}
+
+
+def exercise(id: str, title: str, names: tuple[str, ...], time_limit_s: float = DEFAULT_TIME_LIMIT_S):
+    """Register a grader: ``grade(report, **objects)`` with the learner's objects named in ``names``."""
+    def register(fn):
+        _EXERCISES[id] = Exercise(id, title, tuple(names), fn, time_limit_s)
+        return fn
+    return register
+
+
+def exercises(chapter: str) -> list[Exercise]:
+    _load(chapter)
+    return [e for k, e in sorted(_EXERCISES.items()) if k.startswith(chapter + ".")]
+
+
+def _load(chapter: str) -> None:
+    importlib.import_module(f".ch{chapter}", __name__)
+
+
+@dataclass
+class Report:
+    """Collects one line per check; a grader calls ``ok``/``fail`` or ``expect``."""
+    exercise: Exercise
+    lines: list[str] = field(default_factory=list)
+    failures: int = 0
+
+    def ok(self, what: str) -> None:
+        self.lines.append(f"{PASS} {what}")
+        print(self.lines[-1], flush=True)
+
+    def fail(self, what: str) -> None:
+        self.failures += 1
+        self.lines.append(f"{FAIL} {what}")
+        print(self.lines[-1], flush=True)
+
+    def expect(self, condition: bool, passed: str, failed: str) -> bool:
+        (self.ok if condition else self.fail)(passed if condition else failed)
+        return condition
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Interrupt learner code that runs longer than ``seconds`` (an endless loop, say).
+
+    Uses SIGALRM, so it only works in the main thread of a Unix process; elsewhere it does nothing.
+    """
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise TimeLimit(f"still running after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def where(exc: BaseException) -> str:
+    """" (line 12: `out[i] = x[i]`)": the innermost frame of learner code in a traceback, or ""."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "kernelcourse" not in f.filename and "site-packages" not in f.filename]
+    return f" (line {frames[-1].lineno}: `{frames[-1].line}`)" if frames and frames[-1].line else ""
+
+
+def explain(exc: BaseException) -> str:
+    """One line saying what learner code raised and where."""
+    if isinstance(exc, TimeLimit):
+        return f"{exc}: is there a loop that never ends?"
+    if isinstance(exc, NotImplementedError):
+        return "not written yet (the stub raises NotImplementedError)"
+    if isinstance(exc, IndexError) or "out of bounds" in str(exc).lower():
+        # the simulator names the first thread that failed, which varies from run to run: leave it out
+        return f"out-of-bounds access{where(exc)}: a thread past the end of the data read or wrote memory"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}{where(exc)}"
+
+
+def check(exercise_id: str, namespace: dict) -> None:
+    """Grade exercise ``exercise_id`` using the learner's definitions found in ``namespace``."""
+    chapter = exercise_id.split(".")[0]
+    _load(chapter)
+    ex = _EXERCISES[exercise_id]
+    report = Report(ex)
+    missing = [n for n in ex.names if n not in namespace]
+    if missing:
+        report.fail(f"{', '.join(missing)} not defined: run the exercise cell above, and fix any error it shows")
+    else:
+        objects = {n: namespace[n] for n in ex.names}
+        try:
+            with time_limit(ex.time_limit_s):
+                ex.grade(report, **objects)
+        except Exception as exc:  # learner code is allowed to fail in any way; grading goes on
+            report.fail(explain(exc))
+    if report.failures:
+        raise GradeFailure(f"exercise {ex.id} ({ex.title}): {report.failures} check(s) failed")
+    print(f"Exercise {ex.id} ({ex.title}) passed.")
+
+
+def guarded(report: Report, what: str, fn, *args, **kwargs):
+    """Call learner code; on an exception, record a failure for ``what`` and return None."""
+    try:
+        return fn(*args, **kwargs)
+    except TimeLimit:
+        raise
+    except Exception as exc:
+        report.fail(f"{what}: {explain(exc)}")
+        return None
+
+
+# ---- comparing outputs ------------------------------------------------------------------------
+
+POISON = -3.0e38  # written into output buffers first: an element still holding it was never written
+
+
+def poisoned(shape, dtype=np.float32) -> np.ndarray:
+    return np.full(shape, POISON, dtype=dtype)
+
+
+def _index(flat_i: int, shape) -> str:
+    idx = np.unravel_index(flat_i, shape)
+    return str(int(idx[0])) if len(shape) == 1 else str(tuple(int(i) for i in idx))
+
+
+def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None = None) -> tuple[bool, str]:
+    """Compare ``got`` with a float64 ``truth``.
+
+    The tolerance is twice the worst error of ``reference`` (the same computation done by PyTorch or
+    NumPy at the output's precision), with a floor of one rounding step of the output dtype. Returns
+    (passed, one line saying why).
+    """
+    got = np.asarray(got)
+    truth = np.asarray(truth, dtype=np.float64)
+    if got.shape != truth.shape:
+        return False, f"{what}: shape {got.shape}, expected {truth.shape}"
+    g = got.astype(np.float64)
+    unwritten = got == np.asarray(POISON, dtype=got.dtype)
+    if unwritten.any():
+        idx = np.flatnonzero(unwritten)
+        return False, (f"{what}: {idx.size} of {got.size} elements never written "
+                       f"(first at index {_index(idx[0], got.shape)})")
+    bad = ~np.isfinite(g) & np.isfinite(truth)
+    if bad.any():
+        idx = np.flatnonzero(bad)
+        return False, f"{what}: {idx.size} elements are NaN or Inf (first at index {_index(idx[0], got.shape)})"
+    eps = float(np.finfo(got.dtype).eps) if np.issubdtype(got.dtype, np.floating) else 0.0
+    scale = float(np.max(np.abs(truth))) if truth.size else 0.0
+    tol = (rtol_floor if rtol_floor is not None else eps) * scale
+    if reference is not None:
+        tol = max(tol, 2 * float(np.max(np.abs(np.asarray(reference, np.float64) - truth))))
+    err = np.abs(g - truth)
+    worst = int(np.argmax(err)) if err.size else 0
+    if err.size and err.flat[worst] > tol:
+        return False, (f"{what}: max error {err.flat[worst]:.3g} at index {_index(worst, got.shape)} "
+                       f"(expected {truth.flat[worst]:.6g}, got {g.flat[worst]:.6g}; tolerance {tol:.2g})")
+    return True, f"{what}: all {got.size} elements match (max error {float(err.max()) if err.size else 0:.2g})"

@@ -1,0 +1,207 @@
+"""Graders for chapter 01, CUDA vector add (numba.cuda kernels: simulator on CPU, real on a GPU)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..world import world
+from . import POISON, Report, compare, exercise, explain, guarded, poisoned
+
+GUARD = 64  # poisoned elements past the end of every output, to catch writes beyond n
+
+
+def _sizes(cpu: list[int], gpu_extra: list[int]) -> list[int]:
+    # The simulator runs every CUDA thread as a Python thread: keep CPU sizes small.
+    return cpu + (gpu_extra if world().gpu else [])
+
+
+def _rand(rng, shape):
+    # Mixed signs and magnitudes, never zeros: an unwritten or misindexed element cannot hide.
+    return (rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 1e3], size=shape)).astype(np.float32)
+
+
+def _is_kernel(obj) -> str | None:
+    if callable(obj) and not hasattr(obj, "__getitem__"):
+        return "is a plain Python function: decorate it with @cuda.jit so it can be launched as kernel[grid, block](...)"
+    return None
+
+
+def _launch(kernel, grid, block, inputs, out_shape):
+    """Copy inputs in, launch, copy the output back; the output is poisoned, with a poisoned guard after it."""
+    from numba import cuda
+
+    d_in = [cuda.to_device(a) for a in inputs]
+    flat = poisoned(int(np.prod(out_shape)) + GUARD)
+    d_flat = cuda.to_device(flat)
+    d_out = d_flat[: flat.size - GUARD].reshape(out_shape) if len(out_shape) > 1 else d_flat[: flat.size - GUARD]
+    kernel[grid, block](*d_in, d_out)
+    cuda.synchronize()
+    host = d_flat.copy_to_host()
+    return host[: flat.size - GUARD].reshape(out_shape), host[flat.size - GUARD:]
+
+
+def _oob_hint(exc: Exception) -> str:
+    if isinstance(exc, IndexError) or "out of bounds" in str(exc).lower():
+        return f"{explain(exc)}; add the bounds check `if i < n:`"
+    return explain(exc)
+
+
+@exercise("01.1", "global index and bounds check", names=("add_kernel",))
+def grade_add_kernel(report: Report, add_kernel):
+    if (msg := _is_kernel(add_kernel)):
+        return report.fail(f"add_kernel {msg}")
+    block = 128
+    for n in _sizes([1, 1000, 4099], [1 << 20 | 3]):
+        for seed in (0, 1):
+            rng = np.random.default_rng(1000 * n + seed)
+            x, y = _rand(rng, n), _rand(rng, n)
+            grid = (n + block - 1) // block
+            what = f"n={n}, seed {seed} (grid {grid} x block {block})"
+            try:
+                out, guard = _launch(add_kernel, grid, block, [x, y], (n,))
+            except Exception as exc:
+                report.fail(f"{what}: {_oob_hint(exc)}")
+                return
+            if (guard != np.float32(POISON)).any():
+                report.fail(f"{what}: wrote past the end of out (index >= {n}): add the bounds check `if i < n:`")
+                return
+            written = out != np.float32(POISON)
+            if n > block and written[:block].all() and not written[block:].any():
+                report.fail(f"{what}: only elements 0-{block - 1} were written: every block wrote the same "
+                            "elements; the global index is cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x")
+                return
+            truth = x.astype(np.float64) + y.astype(np.float64)
+            passed, line = compare(out, truth, x + y, what=what)
+            if not report.expect(passed, line, line):
+                return
+
+
+@exercise("01.2", "grid size for n elements", names=("grid_size",), time_limit_s=10)
+def grade_grid_size(report: Report, grid_size):
+    cases = [(1, 256), (256, 256), (257, 256), (1000, 128), (4099, 1024), (1 << 26, 1024), ((1 << 53) + 1, 1)]
+    for n, block in cases:
+        want = -(-n // block)
+        got = guarded(report, f"grid_size({n}, {block})", grid_size, n, block)
+        if got is None:
+            if report.failures == 0:
+                report.fail(f"grid_size({n}, {block}) returned None: did you forget `return`?")
+            return
+        if not isinstance(got, (int, np.integer)):
+            report.fail(f"grid_size({n}, {block}) returned {got!r} of type {type(got).__name__}: "
+                        "a launch needs a whole number of blocks (an int)")
+            return
+        if got == want:
+            report.ok(f"grid_size({n}, {block}) = {want}")
+            continue
+        if got == n // block:
+            hint = "floor division drops the last, partial block"
+        elif got == n // block + 1:
+            hint = "one block too many when n is a multiple of the block size"
+        elif n > 1 << 52:
+            hint = "float division rounds large n; use integer ceil-div (n + block - 1) // block"
+        else:
+            hint = "the grid needs ceil(n / block) blocks"
+        report.fail(f"grid_size({n}, {block}) returned {got}, expected {want}: {hint}")
+        return
+
+
+@exercise("01.3", "grid-stride loop", names=("axpy_kernel",))
+def grade_axpy(report: Report, axpy_kernel):
+    if (msg := _is_kernel(axpy_kernel)):
+        return report.fail(f"axpy_kernel {msg}")
+    from numba import cuda
+
+    # (n, grid, block): fewer threads than elements, more threads than elements, exactly one wave.
+    cases = [(1000, 2, 32), (10, 4, 32), (4099, 3, 64)] + ([(1 << 20 | 5, 132, 256)] if world().gpu else [])
+    for n, grid, block in cases:
+        rng = np.random.default_rng(n)
+        a = np.float32(rng.uniform(0.5, 2.0))
+        # |a * x| >= 0.25 while |y| <= 1e3 * a few: every update visibly changes y
+        x = (rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n)).astype(np.float32)
+        y0 = _rand(rng, n)
+        what = f"n={n} with {grid} x {block} threads"
+        try:
+            d_x, d_y = cuda.to_device(x), cuda.to_device(y0)
+            axpy_kernel[grid, block](a, d_x, d_y)
+            cuda.synchronize()
+            y = d_y.copy_to_host()
+        except Exception as exc:
+            report.fail(f"{what}: {_oob_hint(exc)}")
+            return
+        truth = y0.astype(np.float64) + np.float64(a) * x.astype(np.float64)
+        untouched = y == y0
+        threads = grid * block
+        if n > threads and untouched[threads:].all():
+            report.fail(f"{what}: elements {threads}..{n - 1} were not updated: loop over "
+                        "i, i + cuda.gridsize(1), ... until n")
+            return
+        if untouched.any():
+            first = int(np.flatnonzero(untouched)[0])
+            report.fail(f"{what}: {int(untouched.sum())} elements were not updated (first at index {first}): "
+                        "the loop must run while i < n")
+            return
+        doubled = np.isclose(y, y0 + 2 * a * x, rtol=1e-5, atol=0) & ~np.isclose(y, truth, rtol=1e-5, atol=0)
+        if doubled.any():
+            report.fail(f"{what}: {int(doubled.sum())} elements were updated twice: the stride must be the whole "
+                        "grid (cuda.gridsize(1)), so each element belongs to exactly one thread")
+            return
+        passed, line = compare(y, truth, y0 + a * x, what=what)
+        if not report.expect(passed, line, line):
+            return
+
+
+@exercise("01.4", "2D matrix add", names=("matrix_add_kernel",))
+def grade_matrix_add(report: Report, matrix_add_kernel):
+    if (msg := _is_kernel(matrix_add_kernel)):
+        return report.fail(f"matrix_add_kernel {msg}")
+    block = (16, 8)  # 16 threads along x (columns), 8 along y (rows)
+    shapes = [(1, 1), (37, 53), (8, 130), (130, 8)] + ([(1000, 1003)] if world().gpu else [])
+    for rows, cols in shapes:
+        rng = np.random.default_rng(rows * 7919 + cols)
+        a, b = _rand(rng, (rows, cols)), _rand(rng, (rows, cols))
+        grid = ((cols + block[0] - 1) // block[0], (rows + block[1] - 1) // block[1])
+        what = f"{rows}x{cols} matrix, grid {grid} x block {block}"
+        try:
+            out, guard = _launch(matrix_add_kernel, grid, block, [a, b], (rows, cols))
+        except Exception as exc:
+            report.fail(f"{what}: {_oob_hint(exc)} (check both row < rows and col < cols; "
+                        "x runs along columns, y along rows)")
+            return
+        if (guard != np.float32(POISON)).any():
+            report.fail(f"{what}: wrote past the end of C: check both row < rows and col < cols")
+            return
+        truth = a.astype(np.float64) + b.astype(np.float64)
+        passed, line = compare(out, truth, a + b, what=what)
+        if not passed and "never written" in line and rows != cols:
+            line += ": x (the fast index) runs along columns and y along rows: col, row = cuda.grid(2)"
+        if not report.expect(passed, line, line):
+            return
+
+
+@exercise("01.5", "effective bandwidth from a timing", names=("vector_add_gbps",), time_limit_s=10)
+def grade_gbps(report: Report, vector_add_gbps):
+    cases = [(1 << 26, 4, 0.2741), (1000, 4, 0.0031), (3_000_001, 2, 0.0125), (1 << 28, 8, 2.17)]
+    for n, itemsize, ms in cases:
+        want = 3 * n * itemsize / (ms * 1e-3) / 1e9
+        got = guarded(report, f"vector_add_gbps({n}, {itemsize}, {ms})", vector_add_gbps, n, itemsize, ms)
+        if got is None:
+            if report.failures == 0:
+                report.fail(f"vector_add_gbps({n}, {itemsize}, {ms}) returned None: did you forget `return`?")
+            return
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            report.fail(f"vector_add_gbps({n}, {itemsize}, {ms}) returned {got!r}, not a number")
+            return
+        if abs(got - want) <= 1e-6 * want:
+            report.ok(f"vector_add_gbps({n}, {itemsize}, {ms}) = {want:.1f} GB/s")
+            continue
+        ratio = got / want
+        hints = [(2 / 3, "you counted two arrays: vector add reads x and y and writes out, three arrays"),
+                 (1 / 3, "you counted one array: x and y are read and out is written"),
+                 (1e-3, "ms is milliseconds: divide by ms * 1e-3 seconds"),
+                 (1e3, "ms is milliseconds, not microseconds"),
+                 (1e9 / 2**30, "GB/s means 10^9 bytes per second, not 2^30 (GiB)"),
+                 (1 / itemsize, "multiply by the bytes per element (itemsize)")]
+        hint = next((h for r, h in hints if abs(ratio - r) <= 1e-3 * r), "bytes moved / seconds / 1e9")
+        report.fail(f"vector_add_gbps({n}, {itemsize}, {ms}) returned {got:.4g}, expected {want:.4g}: {hint}")
+        return

@@ -1,0 +1,266 @@
+"""Chapter 01's graders: typical wrong answers are rejected with a message that teaches, and
+different but correct answers are accepted. Kernels run in numba's simulator on the CPU."""
+import math
+
+import pytest
+from numba import cuda
+
+from tests.helpers import grade
+
+# ---- 01.1 global index and bounds check ----------------------------------------------------------
+
+
+@cuda.jit
+def add_ok(x, y, out):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < out.size:
+        out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def add_ok_grid(x, y, out):  # another correct formulation: cuda.grid and an early return
+    i = cuda.grid(1)
+    if i >= x.shape[0]:
+        return
+    out[i] = y[i] + x[i]
+
+
+@cuda.jit
+def add_no_bounds_check(x, y, out):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def add_thread_index_only(x, y, out):
+    i = cuda.threadIdx.x
+    if i < out.size:
+        out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def add_off_by_one(x, y, out):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < out.size - 1:
+        out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def add_wrong_operand(x, y, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = x[i] + x[i]
+
+
+def add_not_a_kernel(x, y, out):
+    pass
+
+
+@pytest.mark.parametrize("kernel", [add_ok, add_ok_grid])
+def test_01_1_accepts_correct(kernel):
+    passed, text = grade("01.1", add_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (add_no_bounds_check, "bounds check"),
+    (add_thread_index_only, "global index"),
+    (add_off_by_one, "never written"),
+    (add_wrong_operand, "max error"),
+    (add_not_a_kernel, "@cuda.jit"),
+])
+def test_01_1_rejects_wrong(kernel, hint):
+    passed, text = grade("01.1", add_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+
+def test_missing_name_is_explained():
+    passed, text = grade("01.1")
+    assert not passed and "add_kernel not defined" in text
+
+# ---- 01.2 grid size --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [lambda n, b: (n + b - 1) // b, lambda n, b: -(-n // b),
+                                lambda n, b: n // b + (n % b > 0)])
+def test_01_2_accepts_correct(fn):
+    passed, text = grade("01.2", grid_size=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda n, b: n // b, "floor division"),
+    (lambda n, b: n // b + 1, "multiple of the block size"),
+    (lambda n, b: math.ceil(n / b), "integer ceil-div"),
+    (lambda n, b: n / b, "whole number"),
+    (lambda n, b: None, "return"),
+])
+def test_01_2_rejects_wrong(fn, hint):
+    passed, text = grade("01.2", grid_size=fn)
+    assert not passed
+    assert hint in text, text
+
+# ---- 01.3 grid-stride loop -------------------------------------------------------------------------
+
+
+@cuda.jit
+def axpy_ok(a, x, y):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, y.size, stride):
+        y[i] += a * x[i]
+
+
+@cuda.jit
+def axpy_ok_while(a, x, y):  # the same loop written by hand
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    while i < y.shape[0]:
+        y[i] = y[i] + a * x[i]
+        i += cuda.blockDim.x * cuda.gridDim.x
+
+
+@cuda.jit
+def axpy_no_loop(a, x, y):
+    i = cuda.grid(1)
+    if i < y.size:
+        y[i] += a * x[i]
+
+
+@cuda.jit
+def axpy_block_stride(a, x, y):
+    for i in range(cuda.grid(1), y.size, cuda.blockDim.x):
+        y[i] += a * x[i]
+
+
+@cuda.jit
+def axpy_fixed_trips(a, x, y):
+    i = cuda.grid(1)
+    for _ in range(4):
+        if i < y.size:
+            y[i] += a * x[i]
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def axpy_off_by_one(a, x, y):
+    i = cuda.grid(1)
+    while i <= y.size:
+        y[i] += a * x[i]
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def axpy_overwrites(a, x, y):
+    for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        y[i] = a * x[i]
+
+
+@pytest.mark.parametrize("kernel", [axpy_ok, axpy_ok_while])
+def test_01_3_accepts_correct(kernel):
+    passed, text = grade("01.3", axpy_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (axpy_no_loop, "not updated"),
+    (axpy_block_stride, "updated twice"),
+    (axpy_fixed_trips, "while i < n"),
+    (axpy_off_by_one, "out-of-bounds"),
+    (axpy_overwrites, "max error"),
+])
+def test_01_3_rejects_wrong(kernel, hint):
+    passed, text = grade("01.3", axpy_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+# ---- 01.4 2D matrix add ----------------------------------------------------------------------------
+
+
+@cuda.jit
+def madd_ok(A, B, C):
+    col, row = cuda.grid(2)
+    if row < C.shape[0] and col < C.shape[1]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+@cuda.jit
+def madd_ok_explicit(A, B, C):
+    row = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if row >= C.shape[0] or col >= C.shape[1]:
+        return
+    C[row, col] = B[row, col] + A[row, col]
+
+
+@cuda.jit
+def madd_swapped(A, B, C):
+    row, col = cuda.grid(2)
+    if row < C.shape[0] and col < C.shape[1]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+@cuda.jit
+def madd_one_bound(A, B, C):
+    col, row = cuda.grid(2)
+    if row < C.shape[0]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+@cuda.jit
+def madd_bounds_swapped(A, B, C):
+    col, row = cuda.grid(2)
+    if row < C.shape[1] and col < C.shape[0]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+@pytest.mark.parametrize("kernel", [madd_ok, madd_ok_explicit])
+def test_01_4_accepts_correct(kernel):
+    passed, text = grade("01.4", matrix_add_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (madd_swapped, "col, row = cuda.grid(2)"),
+    (madd_one_bound, "col < cols"),
+    (madd_bounds_swapped, "row < rows"),
+])
+def test_01_4_rejects_wrong(kernel, hint):
+    passed, text = grade("01.4", matrix_add_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+# ---- 01.5 effective bandwidth ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [lambda n, s, ms: 3 * n * s / (ms / 1e3) / 1e9,
+                                lambda n, s, ms: (3 * n * s) / ms * 1e-6])
+def test_01_5_accepts_correct(fn):
+    passed, text = grade("01.5", vector_add_gbps=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda n, s, ms: 2 * n * s / (ms / 1e3) / 1e9, "two arrays"),
+    (lambda n, s, ms: 3 * n * s / ms / 1e9, "milliseconds"),
+    (lambda n, s, ms: 3 * n * s / (ms / 1e3) / 2**30, "2^30"),
+    (lambda n, s, ms: 3 * n / (ms / 1e3) / 1e9, "itemsize"),
+    (lambda n, s, ms: "fast", "not a number"),
+])
+def test_01_5_rejects_wrong(fn, hint):
+    passed, text = grade("01.5", vector_add_gbps=fn)
+    assert not passed
+    assert hint in text, text
+
+
+def test_endless_loop_hits_the_time_limit(monkeypatch):
+    import kernelcourse.grading as g
+
+    g.exercises("01")
+    monkeypatch.setattr(g._EXERCISES["01.2"], "time_limit_s", 0.5)
+
+    def forever(n, b):
+        while True:
+            pass
+
+    passed, text = grade("01.2", grid_size=forever)
+    assert not passed and "loop that never ends" in text

@@ -1,0 +1,105 @@
+"""What the repository's tools share about notebooks: where they are, the setup cell, the code hash.
+
+Every notebook starts with one code cell tagged ``bootstrap``. It is written from ``_config.yml``
+(``repository.url`` is the one place the course's address lives) by ``python tools/notebooks.py``,
+and ``--check`` fails when a notebook's setup cell differs.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = ("notebooks", "solutions", "exercises")
+BOOTSTRAP_TAG = "bootstrap"
+
+BOOTSTRAP = '''\
+# Setup: picks the world (GPU, or CPU with Triton's interpreter and numba's CUDA simulator).
+# On Colab it first installs the course's helper package; Colab's own torch and triton stay as they are.
+import importlib.util, subprocess, sys
+if importlib.util.find_spec("kernelcourse") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "git+{url}@{branch}"], check=True)
+import kernelcourse as kc
+world = kc.setup()'''
+
+
+def config() -> dict:
+    return yaml.safe_load((ROOT / "_config.yml").read_text())
+
+
+def bootstrap_source() -> str:
+    repo = config()["repository"]
+    return BOOTSTRAP.format(url=repo["url"], branch=repo.get("branch", "main"))
+
+
+def all_notebooks(folders=FOLDERS) -> list[Path]:
+    return sorted(p for f in folders for p in (ROOT / f).glob("[0-9][0-9]_*.ipynb"))
+
+
+def read(path: Path):
+    return nbformat.read(path, as_version=4)
+
+
+def write(nb, path: Path) -> None:
+    path.write_text(dumps(nb), encoding="utf-8")
+
+
+def dumps(nb) -> str:
+    return nbformat.writes(nb) + "\n"
+
+
+def is_bootstrap(cell) -> bool:
+    return cell.cell_type == "code" and BOOTSTRAP_TAG in cell.metadata.get("tags", [])
+
+
+def code_hash(nb) -> str:
+    """Hash of the code a notebook runs, bootstrap cell excluded (it changes with the repository URL)."""
+    sources = [c.source for c in nb.cells if c.cell_type == "code" and not is_bootstrap(c)]
+    return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
+
+
+def bootstrap_problem(nb) -> str | None:
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if not code or not is_bootstrap(code[0]):
+        return f"the first code cell must be the setup cell tagged '{BOOTSTRAP_TAG}'"
+    if code[0].source != bootstrap_source():
+        return "the setup cell differs from the one _config.yml gives"
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="report notebooks whose setup cell is out of date")
+    args = ap.parse_args()
+    bad = 0
+    for path in all_notebooks(("notebooks", "solutions")):
+        nb = read(path)
+        problem = bootstrap_problem(nb)
+        if problem is None:
+            continue
+        if args.check:
+            print(f"{path.relative_to(ROOT)}: {problem}; run `python tools/notebooks.py`")
+            bad += 1
+            continue
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        if code and is_bootstrap(code[0]):
+            code[0].source = bootstrap_source()
+        else:
+            cell = nbformat.v4.new_code_cell(bootstrap_source(), metadata={"tags": [BOOTSTRAP_TAG]})
+            cell.id = "setup"
+            first_code = nb.cells.index(code[0]) if code else len(nb.cells)
+            nb.cells.insert(first_code, cell)
+        write(nb, path)
+        print(f"updated the setup cell of {path.relative_to(ROOT)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

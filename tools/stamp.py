@@ -1,0 +1,101 @@
+"""Execute lesson notebooks on a real GPU and stamp them; check that committed stamps are current.
+
+Lesson notebooks are committed executed on a GPU so that the website shows real measurements.
+
+    python tools/stamp.py notebooks/01_vector_add.ipynb            # execute in place on this GPU, stamp
+    python tools/stamp.py --record notebooks/01_vector_add.ipynb   # ...and refresh its recorded results
+    python tools/stamp.py --check notebooks/*.ipynb                # CI: stamped on a GPU, code unchanged since
+
+The stamp (notebook metadata ``kernelcourse.stamp``) holds the GPU, its compute capability, the
+versions of python/torch/triton/numba/CUDA, the date and a hash of the code cells. ``--check`` fails
+when a notebook has no GPU stamp or when its code cells no longer hash to the stamped value (its
+outputs are stale).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+import time
+from pathlib import Path
+
+from notebooks import ROOT, code_hash, read, write
+
+
+def stamp_problem(nb) -> str | None:
+    stamp = nb.metadata.get("kernelcourse", {}).get("stamp")
+    if not stamp:
+        return "no GPU stamp: it was never executed with tools/stamp.py on a GPU"
+    if not stamp.get("gpu") or stamp["gpu"] == "CPU":
+        return "its stamp is not from a GPU"
+    if stamp.get("code_sha256") != code_hash(nb):
+        return f"its code changed after it was executed on {stamp['gpu']} ({stamp['date']}): outputs are stale"
+    unexecuted = sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip() and c.execution_count is None)
+    if unexecuted:
+        return f"{unexecuted} code cell(s) have no outputs from the stamped run"
+    return None
+
+
+def check(paths: list[Path]) -> int:
+    bad = 0
+    for path in paths:
+        problem = stamp_problem(read(path))
+        name = path.resolve().relative_to(ROOT)
+        if problem:
+            bad += 1
+            print(f"FAIL {name}: {problem}. Run `python tools/stamp.py {name}` on a GPU and commit it.")
+        else:
+            s = read(path).metadata["kernelcourse"]["stamp"]
+            print(f"ok   {name}: executed on {s['gpu']}, {s['date']}")
+    return 1 if bad else 0
+
+
+def execute(path: Path, record: bool, timeout: int) -> None:
+    import torch
+    from nbclient import NotebookClient
+
+    if not torch.cuda.is_available():
+        sys.exit("tools/stamp.py executes notebooks on a GPU, and torch sees none here")
+    sys.path.insert(0, str(ROOT / "src"))
+    import kernelcourse as kc
+
+    w = kc.setup(quiet=True)
+    nb = read(path)
+    rel = path.resolve().relative_to(ROOT)
+    os.environ["KC_WORLD"] = "gpu"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    if record:
+        os.environ["KC_RECORD"] = "1"
+        os.environ["KC_RECORD_COMMAND"] = f"python tools/stamp.py --record {rel}"
+    start = time.time()
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nb.metadata.setdefault("kernelcourse", {})["stamp"] = {
+        "gpu": w.name,
+        "compute_capability": f"{w.capability[0]}.{w.capability[1]}",
+        "versions": w.versions,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
+        "seconds": round(time.time() - start, 1),
+        "code_sha256": code_hash(nb),
+    }
+    write(nb, path)
+    print(f"executed and stamped {rel} on {w.name} in {time.time() - start:.0f} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", type=Path)
+    ap.add_argument("--check", action="store_true", help="verify stamps instead of executing")
+    ap.add_argument("--record", action="store_true", help="also save the notebook's benchmark results")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds allowed per cell")
+    args = ap.parse_args()
+    if args.check:
+        return check(args.paths)
+    for path in args.paths:
+        execute(path, args.record, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
