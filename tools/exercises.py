@@ -73,9 +73,10 @@ def strip_solutions(source: str, markdown: bool = False) -> str:
 
 def note_cell(stem: str):
     cell = nbformat.v4.new_markdown_cell(
-        f"```{{note}}\nThis notebook is generated from `solutions/{stem}.ipynb` by `tools/exercises.py`. "
-        "Fill in the cells marked `YOUR CODE HERE` and run the grader cell under each. Course maintainers: "
-        "edit the solutions notebook, then run `make exercises`.\n```"
+        f"> **Your exercise notebook.** Fill in the cells marked `YOUR CODE HERE` and run the grader cell "
+        f"under each; `make grade NB=exercises/{stem}.ipynb` grades the whole notebook. It is generated from "
+        f"`solutions/{stem}.ipynb` by `tools/exercises.py`: course maintainers edit that notebook, then run "
+        "`make exercises`."
     )
     cell.id = "generated-note"
     return cell

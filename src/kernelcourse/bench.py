@@ -75,8 +75,8 @@ def load(name: str) -> Results:
     path = recorded_path(name)
     if not path.exists():
         raise FileNotFoundError(
-            f"no recorded GPU results for {name!r} ({path}); run "
-            f"`python tools/stamp.py --record notebooks/{name}.ipynb` on a GPU to make them"
+            f"no recorded GPU results named {name!r} ({path}): run the lesson that measures them "
+            f"on a GPU with `python tools/stamp.py --record notebooks/<lesson>.ipynb`"
         )
     data = json.loads(path.read_text())
     return Results(name, data["rows"], data["provenance"], recorded=True)

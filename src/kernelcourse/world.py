@@ -12,6 +12,7 @@ import importlib.metadata as _md
 import os
 import platform
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 _SIM_VARS = ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")
@@ -97,9 +98,26 @@ def setup(world: str | None = None, quiet: bool = False) -> World:
         _enter_simulation()
         w = World(False, "cpu", "CPU", None, versions())
     _current = w
+    # Small teaching launches trip numba's occupancy warning; it is true and beside the point here.
+    warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization.*")
     if not quiet:
         print(banner(w))
+        if problem := _known_problem(w):
+            print(f"Warning: {problem}")
     return w
+
+
+def _known_problem(w: World) -> str | None:
+    """Version combinations known to break the course's tools, with what to do about them."""
+    import numpy
+
+    major_minor = tuple(int(p) for p in numpy.__version__.split(".")[:2])
+    if w.versions["numba-cuda"] != "not installed" and major_minor >= (2, 5):
+        return (f"numpy {numpy.__version__} breaks numba-cuda {w.versions['numba-cuda']} (its CUDA kernels fail "
+                "to compile); install numpy<2.5 (`pip install 'numpy>=2,<2.5'`) and restart the kernel.")
+    if not w.gpu and major_minor >= (2, 4) and w.versions["triton"].startswith("3.6"):
+        return f"numpy {numpy.__version__} breaks Triton 3.6's interpreter; install numpy<2.4 and restart the kernel."
+    return None
 
 
 def world() -> World:

@@ -181,6 +181,8 @@ def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None =
         return False, f"{what}: shape {got.shape}, expected {truth.shape}"
     g = got.astype(np.float64)
     unwritten = got == np.asarray(POISON, dtype=got.dtype)
+    if unwritten.all():
+        return False, f"{what}: no element of the output was written (is the kernel body still a stub?)"
     if unwritten.any():
         idx = np.flatnonzero(unwritten)
         return False, (f"{what}: {idx.size} of {got.size} elements never written "

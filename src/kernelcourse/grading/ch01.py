@@ -120,12 +120,19 @@ def grade_axpy(report: Report, axpy_kernel):
         y0 = _rand(rng, n)
         what = f"n={n} with {grid} x {block} threads"
         try:
-            d_x, d_y = cuda.to_device(x), cuda.to_device(y0)
-            axpy_kernel[grid, block](a, d_x, d_y)
+            # x and y live at the front of larger buffers with guard tails: an update past n, y[n] += a * x[n],
+            # turns y's guard value 7 into 7 + a, which shows (a poison value would absorb a small update)
+            d_xfull = cuda.to_device(np.concatenate([x, np.ones(GUARD, np.float32)]))
+            d_full = cuda.to_device(np.concatenate([y0, np.full(GUARD, 7.0, np.float32)]))
+            axpy_kernel[grid, block](a, d_xfull[:n], d_full[:n])
             cuda.synchronize()
-            y = d_y.copy_to_host()
+            full = d_full.copy_to_host()
+            y, guard = full[:n], full[n:]
         except Exception as exc:
             report.fail(f"{what}: {_oob_hint(exc)}")
+            return
+        if (guard != np.float32(7.0)).any():
+            report.fail(f"{what}: wrote past the end of y (index >= {n}): the loop must run while i < n")
             return
         truth = y0.astype(np.float64) + np.float64(a) * x.astype(np.float64)
         untouched = y == y0

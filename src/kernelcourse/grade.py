@@ -1,0 +1,146 @@
+"""Grade exercise notebooks: ``python -m kernelcourse.grade NOTEBOOK... [--json]`` (or ``make grade NB=...``).
+
+Each notebook runs top to bottom through nbval (``pytest --nbval-lax``) in a fresh kernel; the output
+of every grader cell is collected into a report: chapter, exercise, pass or fail, and the grader's
+message. The notebooks themselves are only read, never written. The exit status is 0 when every
+exercise passed, 1 otherwise, so CI can use it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+GRADER = re.compile(r"""kc\.grading\.check\(\s*["'](\d\d\.\d+)["']\s*,\s*globals\(\)\s*\)""")
+
+
+@dataclass
+class Row:
+    notebook: str
+    exercise: str
+    passed: bool
+    message: str
+
+
+class _Collector:
+    """A pytest plugin that keeps what each grader cell printed and whether it passed."""
+
+    def __init__(self):
+        self.cells: dict[tuple[str, str], tuple[bool, str]] = {}
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if report.when != "call" or not hasattr(item, "cell"):
+            return
+        text = "".join(o.get("text", "") for o in (item.test_outputs or []) if o.get("output_type") == "stream")
+        if report.failed and not text.strip():
+            text = _failure_summary(str(report.longrepr))
+        self.cells[(Path(str(item.fspath)).resolve().as_posix(), _key(item.cell))] = (report.passed, text)
+
+
+def _key(cell) -> str:
+    return cell.get("id") or cell.source
+
+
+def _failure_summary(longrepr: str) -> str:
+    if "Timeout" in longrepr:
+        return "the cell ran past the time limit: is there a loop that never ends?"
+    if "Kernel dead" in longrepr or "died" in longrepr.lower():
+        return "the notebook's kernel crashed (an out-of-bounds access can do this); later cells could not run"
+    last = [line for line in longrepr.splitlines() if line.strip()]
+    return last[-1].strip() if last else "the cell failed"
+
+
+def _message(passed: bool, text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if passed:
+        checks = sum(1 for line in lines if line.startswith("✔"))
+        return f"{checks} checks passed"
+    failed = [line for line in lines if line.startswith("✘")]
+    return (failed[0][1:].strip() if failed else (lines[-1] if lines else "failed"))
+
+
+def grade(paths: list[Path], cell_timeout: int = 600) -> list[Row]:
+    collector = _Collector()
+    args = ["-p", "no:cacheprovider", "-q", "--no-header", "--tb=no", "-p", "no:warnings",
+            "--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={cell_timeout}",
+            *[str(p) for p in paths]]
+    with contextlib.redirect_stdout(io.StringIO()):
+        pytest.main(args, plugins=[collector])
+    rows = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        code_cells = [c for c in nb.cells if c.cell_type == "code"]
+        seen = set()
+        for cell in nb.cells:
+            match = GRADER.search(cell.source) if cell.cell_type == "code" else None
+            if not match:
+                continue
+            ex = match.group(1)
+            seen.add(ex)
+            result = collector.cells.get((path.resolve().as_posix(), _key(cell)))
+            if result is None:
+                rows.append(Row(path.stem, ex, False, "the grader cell did not run"))
+            else:
+                rows.append(Row(path.stem, ex, result[0], _message(*result)))
+        expected = _expected(path.stem)
+        for ex in sorted(expected - seen):
+            rows.append(Row(path.stem, ex, False, "no grader cell for this exercise: was it deleted?"))
+        if not code_cells:
+            rows.append(Row(path.stem, "-", False, "the notebook has no code cells"))
+    return rows
+
+
+def _expected(stem: str) -> set[str]:
+    from . import grading
+
+    chapter = stem[:2]
+    try:
+        return {e.id for e in grading.exercises(chapter)}
+    except ModuleNotFoundError:
+        return set()
+
+
+def render(rows: list[Row]) -> str:
+    head = ("chapter", "exercise", "result", "message")
+    body = [(r.notebook, r.exercise, "pass" if r.passed else "FAIL", r.message) for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head[:3])]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths)) + "  " + head[3]]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b[:3], widths)) + "  " + b[3] for b in body]
+    passed = sum(r.passed for r in rows)
+    lines.append(f"Score: {passed}/{len(rows)} exercises passed")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernelcourse.grade", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("notebooks", nargs="+", type=Path)
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--cell-timeout", type=int, default=600, help="seconds allowed per cell")
+    args = ap.parse_args(argv)
+    missing = [p for p in args.notebooks if not p.exists()]
+    if missing:
+        print(f"no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    rows = grade(args.notebooks, args.cell_timeout)
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "passed": sum(r.passed for r in rows),
+                          "total": len(rows)}, indent=1))
+    else:
+        print(render(rows))
+    return 0 if rows and all(r.passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

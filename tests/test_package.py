@@ -1,0 +1,96 @@
+"""The helper package: worlds, recorded results, comparisons, timing limits."""
+import json
+
+import numpy as np
+import pytest
+
+import kernelcourse as kc
+from kernelcourse import bench, grading
+
+
+def test_import_does_not_load_triton_or_numba():
+    import subprocess
+    import sys
+
+    code = "import sys, kernelcourse; print('triton' in sys.modules, 'numba' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_cpu_world_switches_on_the_interpreter_and_simulator(monkeypatch):
+    import subprocess
+    import sys
+
+    code = ("import os, kernelcourse as kc; w = kc.setup(world='cpu', quiet=True); "
+            "print(w.device, os.environ['TRITON_INTERPRET'], os.environ['NUMBA_ENABLE_CUDASIM'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["cpu", "1", "1"]
+
+
+def test_setup_refuses_an_unknown_world():
+    with pytest.raises(ValueError):
+        kc.setup(world="tpu", quiet=True)
+
+
+def test_banner_names_world_and_versions():
+    text = kc.world.__module__ and kc.setup.__globals__["banner"](kc.world())
+    assert "torch" in text and "triton" in text and ("GPU" in text or "CPU" in text)
+
+
+def test_recorded_results_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "RECORDED_DIR", tmp_path)
+    rows = [{"impl": "a", "n": 1024, "ms": 0.5}]
+    prov = {"gpu": "Test GPU", "date": "2026-01-01", "versions": {"torch": "x", "triton": "y"},
+            "compute_capability": "9.0", "command": "test"}
+    bench.save(bench.Results("t", rows, prov, recorded=False))
+    assert json.loads((tmp_path / "t.json").read_text())["rows"] == rows
+    loaded = bench.load("t")
+    assert loaded.recorded and loaded.rows == rows and loaded.label == "recorded on Test GPU, 2026-01-01"
+
+
+def test_missing_recording_says_how_to_make_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "RECORDED_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="tools/stamp.py --record"):
+        bench.load("nothing")
+
+
+def test_gbps():
+    assert bench.gbps(3e9, 1000.0) == pytest.approx(3.0)
+
+
+def test_compare_finds_unwritten_nan_and_errors():
+    truth = np.arange(1, 6, dtype=np.float64)
+    ok, line = grading.compare(truth.astype(np.float32), truth, what="t")
+    assert ok, line
+    out = truth.astype(np.float32)
+    out[3] = grading.POISON
+    assert "never written (first at index 3)" in grading.compare(out, truth, what="t")[1]
+    out[3] = np.nan
+    assert "NaN" in grading.compare(out, truth, what="t")[1]
+    out[3] = 4.5
+    ok, line = grading.compare(out, truth, what="t")
+    assert not ok and "max error 0.5 at index 3" in line
+    assert "shape" in grading.compare(out[:2], truth, what="t")[1]
+    assert "no element" in grading.compare(grading.poisoned(5), truth, what="t")[1]
+
+
+def test_compare_tolerance_follows_the_reference_error():
+    truth = np.array([1.0, 2.0])
+    ref = np.array([1.0, 2.001])
+    assert grading.compare(np.array([1.0, 2.0015]), truth, ref, what="t")[0]
+    assert not grading.compare(np.array([1.0, 2.003]), truth, ref, what="t")[0]
+
+
+def test_time_limit_interrupts():
+    with pytest.raises(grading.TimeLimit):
+        with grading.time_limit(0.2):
+            while True:
+                pass
+
+
+def test_unknown_learner_exception_is_one_line():
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        line = grading.explain(exc)
+    assert line.startswith("KeyError") and "\n" not in line

@@ -1,0 +1,90 @@
+"""The repository's tools: exercise generation, setup cells, GPU stamps."""
+import copy
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import exercises  # noqa: E402
+import notebooks  # noqa: E402
+import stamp  # noqa: E402
+
+
+def test_stub_in_a_plain_function_raises_and_gives_the_size():
+    src = "def f(n):\n    ### BEGIN SOLUTION\n    m = n + 1\n    # a comment\n    return m\n    ### END SOLUTION\n"
+    out = exercises.strip_solutions(src)
+    assert "m = n + 1" not in out and "about 2 lines" in out
+    assert 'raise NotImplementedError' in out
+    compile(out, "<stub>", "exec")
+
+
+@pytest.mark.parametrize("decorator", ["@cuda.jit", "@triton.jit", "@cuda.jit(fastmath=True)"])
+def test_stub_in_a_kernel_is_pass(decorator):
+    src = f"{decorator}\ndef k(x):\n    ### BEGIN SOLUTION\n    x[0] = 1\n    ### END SOLUTION\n"
+    out = exercises.strip_solutions(src)
+    assert out.rstrip().endswith("pass") and "NotImplementedError" not in out and "about 1 line)" in out
+    compile(out, "<stub>", "exec")
+
+
+def test_markdown_answer_is_replaced():
+    out = exercises.strip_solutions("Q?\n### BEGIN SOLUTION\nA secret.\n### END SOLUTION", markdown=True)
+    assert "secret" not in out and exercises.MARKDOWN_STUB in out
+
+
+def test_unterminated_solution_is_an_error():
+    with pytest.raises(ValueError):
+        exercises.strip_solutions("### BEGIN SOLUTION\nx = 1\n")
+
+
+def test_generated_exercises_hold_no_solution_and_no_output():
+    for path, text in exercises.generate().items():
+        nb = nbformat.reads(text, as_version=4)
+        assert "generated" in nb.cells[1].source
+        for cell in nb.cells:
+            assert "BEGIN SOLUTION" not in cell.source, path
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, path
+
+
+def test_setup_cell_comes_from_config():
+    assert notebooks.config()["repository"]["url"] in notebooks.bootstrap_source()
+
+
+def _stamped_lesson():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(notebooks.bootstrap_source(), metadata={"tags": ["bootstrap"]}),
+                nbformat.v4.new_code_cell("x = 1", execution_count=2)]
+    nb.cells[0].execution_count = 1
+    nb.metadata["kernelcourse"] = {"stamp": {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-21",
+                                             "code_sha256": notebooks.code_hash(nb)}}
+    return nb
+
+
+def test_stamp_check_accepts_a_current_stamp():
+    assert stamp.stamp_problem(_stamped_lesson()) is None
+
+
+def test_stamp_check_catches_changed_code():
+    nb = _stamped_lesson()
+    nb.cells[1].source = "x = 2"
+    assert "stale" in stamp.stamp_problem(nb)
+
+
+def test_stamp_check_ignores_the_setup_cell_and_prose():
+    nb = _stamped_lesson()
+    nb.cells[0].source += "\n# another repository"
+    nb.cells.append(nbformat.v4.new_markdown_cell("More prose."))
+    assert stamp.stamp_problem(nb) is None
+
+
+def test_stamp_check_rejects_missing_and_cpu_stamps():
+    nb = _stamped_lesson()
+    cpu = copy.deepcopy(nb)
+    cpu.metadata["kernelcourse"]["stamp"]["gpu"] = "CPU"
+    del nb.metadata["kernelcourse"]
+    assert "no GPU stamp" in stamp.stamp_problem(nb)
+    assert "not from a GPU" in stamp.stamp_problem(cpu)
