@@ -94,3 +94,17 @@ def test_unknown_learner_exception_is_one_line():
     except KeyError as exc:
         line = grading.explain(exc)
     assert line.startswith("KeyError") and "\n" not in line
+
+
+def test_a_crash_in_learner_code_fails_only_that_exercise():
+    import ctypes
+
+    from tests.helpers import grade
+
+    def crashes(n, block):
+        ctypes.string_at(0)  # a segfault, as an unmasked out-of-bounds access can cause
+
+    passed, text = grade("01.2", grid_size=crashes)
+    assert not passed and "crashed" in text and "SIGSEGV" in text
+    passed, text = grade("01.2", grid_size=lambda n, b: (n + b - 1) // b)  # this process lives on
+    assert passed, text

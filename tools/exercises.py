@@ -84,7 +84,11 @@ def note_cell(stem: str):
 
 def exercise_notebook(solution) -> nbformat.NotebookNode:
     nb = copy.deepcopy(solution)
-    nb.metadata.pop("kernelcourse", None)
+    # Only what a reader's notebook needs, so executing a solution (which records the kernel's
+    # versions and a stamp in its metadata) does not change the generated exercise.
+    keep = ("kernelspec", "accelerator", "colab")
+    nb.metadata = nbformat.NotebookNode({k: nb.metadata[k] for k in keep if k in nb.metadata})
+    nb.metadata["language_info"] = {"name": "python"}
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.source = strip_solutions(cell.source)

@@ -9,11 +9,15 @@ one-line explanation instead of a traceback from inside the grader.
 from __future__ import annotations
 
 import importlib
+import os
+import select
 import signal
+import time
 import threading
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -60,19 +64,26 @@ def _load(chapter: str) -> None:
 
 @dataclass
 class Report:
-    """Collects one line per check; a grader calls ``ok``/``fail`` or ``expect``."""
+    """Collects one line per check; a grader calls ``ok``/``fail`` or ``expect``.
+
+    Each line goes to ``sink`` as soon as it is made (``print`` by default; a pipe to the parent
+    process when grading runs in a child, see ``check``).
+    """
     exercise: Exercise
     lines: list[str] = field(default_factory=list)
     failures: int = 0
+    sink: Callable[[str], None] = lambda line: print(line, flush=True)
 
     def ok(self, what: str) -> None:
-        self.lines.append(f"{PASS} {what}")
-        print(self.lines[-1], flush=True)
+        self._add(f"{PASS} {what}")
 
     def fail(self, what: str) -> None:
         self.failures += 1
-        self.lines.append(f"{FAIL} {what}")
-        print(self.lines[-1], flush=True)
+        self._add(f"{FAIL} {what}")
+
+    def _add(self, line: str) -> None:
+        self.lines.append(line)
+        self.sink(line)
 
     def expect(self, condition: bool, passed: str, failed: str) -> bool:
         (self.ok if condition else self.fail)(passed if condition else failed)
@@ -133,14 +144,81 @@ def check(exercise_id: str, namespace: dict) -> None:
         report.fail(f"{', '.join(missing)} not defined: run the exercise cell above, and fix any error it shows")
     else:
         objects = {n: namespace[n] for n in ex.names}
-        try:
-            with time_limit(ex.time_limit_s):
-                ex.grade(report, **objects)
-        except Exception as exc:  # learner code is allowed to fail in any way; grading goes on
-            report.fail(explain(exc))
+        if _can_isolate():
+            _grade_in_child(ex, objects, report)
+        else:
+            _grade_here(ex, objects, report)
     if report.failures:
         raise GradeFailure(f"exercise {ex.id} ({ex.title}): {report.failures} check(s) failed")
     print(f"Exercise {ex.id} ({ex.title}) passed.")
+
+
+def _grade_here(ex: Exercise, objects: dict, report: Report) -> None:
+    try:
+        with time_limit(ex.time_limit_s):
+            ex.grade(report, **objects)
+    except Exception as exc:  # learner code is allowed to fail in any way; grading goes on
+        report.fail(explain(exc))
+
+
+def _can_isolate() -> bool:
+    # A CUDA context does not survive fork(), so on a GPU grading runs in the notebook's process.
+    from ..world import world
+
+    return hasattr(os, "fork") and not world().gpu and os.environ.get("KC_GRADE_IN_PROCESS") != "1"
+
+
+def _grade_in_child(ex: Exercise, objects: dict, report: Report) -> None:
+    """Run the grader in a forked child so that a crash (an out-of-bounds access can segfault the
+    Triton interpreter) or an endless loop costs this exercise, not the notebook's kernel."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: grade, send each line up the pipe, never return into the notebook
+        os.close(read_fd)
+        code = 0
+        try:
+            with os.fdopen(write_fd, "w", buffering=1) as pipe:
+                child = Report(ex, sink=lambda line: pipe.write(line.replace("\n", " ") + "\n"))
+                _grade_here(ex, objects, child)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    deadline = time.monotonic() + ex.time_limit_s
+    buffer, timed_out = b"", False
+    with os.fdopen(read_fd, "rb") as pipe:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([pipe], [], [], min(remaining, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                break
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                _relay(line.decode(), report)
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if timed_out:
+        report.fail(f"still running after {ex.time_limit_s:g} s: is there a loop that never ends?")
+    elif os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        report.fail(f"your code crashed the process running it ({name}): usually an out-of-bounds memory "
+                    "access; check the masks on every load and store")
+
+
+def _relay(line: str, report: Report) -> None:
+    if line.startswith(PASS):
+        report.ok(line[len(PASS):].strip())
+    elif line.startswith(FAIL):
+        report.fail(line[len(FAIL):].strip())
 
 
 def guarded(report: Report, what: str, fn, *args, **kwargs):
@@ -181,7 +259,7 @@ def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None =
         return False, f"{what}: shape {got.shape}, expected {truth.shape}"
     g = got.astype(np.float64)
     unwritten = got == np.asarray(POISON, dtype=got.dtype)
-    if unwritten.all():
+    if unwritten.all() and unwritten.size > 1:
         return False, f"{what}: no element of the output was written (is the kernel body still a stub?)"
     if unwritten.any():
         idx = np.flatnonzero(unwritten)

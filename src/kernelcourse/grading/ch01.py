@@ -179,7 +179,8 @@ def grade_matrix_add(report: Report, matrix_add_kernel):
         truth = a.astype(np.float64) + b.astype(np.float64)
         passed, line = compare(out, truth, a + b, what=what)
         if not passed and "never written" in line and rows != cols:
-            line += ": x (the fast index) runs along columns and y along rows: col, row = cuda.grid(2)"
+            line += (": check both bounds, row < rows and col < cols, and that x (the fast index) runs along "
+                     "columns and y along rows: col, row = cuda.grid(2)")
         if not report.expect(passed, line, line):
             return
 
