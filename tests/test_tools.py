@@ -43,7 +43,7 @@ def test_unterminated_solution_is_an_error():
 def test_generated_exercises_hold_no_solution_and_no_output():
     for path, text in exercises.generate().items():
         nb = nbformat.reads(text, as_version=4)
-        assert "generated" in nb.cells[1].source
+        assert "generated" in nb.cells[0].source
         for cell in nb.cells:
             assert "BEGIN SOLUTION" not in cell.source, path
             if cell.cell_type == "code":

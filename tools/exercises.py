@@ -105,8 +105,7 @@ def generate() -> dict:
     result = {}
     for path in all_notebooks(("solutions",)):
         nb = exercise_notebook(read(path))
-        # The title cell stays first so the book's page title is the chapter's; the note follows it.
-        nb.cells.insert(1, note_cell(path.stem))
+        nb.cells.insert(0, note_cell(path.stem))
         result[ROOT / "exercises" / path.name] = dumps(nb)
     return result
 
