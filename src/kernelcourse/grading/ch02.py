@@ -1,0 +1,380 @@
+"""Graders for chapter 02, roofline analysis: FLOPs, bytes, intensity, ridge, bounds (plain numbers).
+
+Every exercise is a formula. Each grader calls the learner's function on several inputs (drawn from
+fixed seeds, so the output lines are the same on every run, and never zero), compares with the answer
+at a relative tolerance of 1e-4, and on a mismatch recognises the usual mistakes by recomputing them
+("you counted the output twice") before falling back to a hint about the formula.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import Report, exercise, guarded
+
+RTOL = 1e-4
+
+
+def _close(a: float, b: float, rtol: float = RTOL) -> bool:
+    return abs(a - b) <= rtol * abs(b)
+
+
+def _as_number(report: Report, call: str, got) -> float | None:
+    """The learner's return value as a float, or None after recording why it is not a number."""
+    if got is None:
+        report.fail(f"{call} returned None: did you forget `return`?")
+        return None
+    if isinstance(got, (str, bytes, bool)) or not hasattr(got, "__float__"):
+        report.fail(f"{call} returned {got!r} of type {type(got).__name__}, not a number")
+        return None
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        report.fail(f"{call} returned {got!r}, not a number")
+        return None
+    if not math.isfinite(value):
+        report.fail(f"{call} returned {value}: check for a division by zero or a missing factor")
+        return None
+    return value
+
+
+def _call(report: Report, fn, name: str, args: dict):
+    call = f"{name}({', '.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in args.items())})"
+    failures = report.failures
+    got = guarded(report, call, fn, *args.values())  # positional: the learner may rename parameters
+    return call, got, report.failures > failures
+
+
+def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutants, unit: str,
+                  fallback: str) -> None:
+    """One line per case; on the first mismatch, name the mistake if a known mutant explains it.
+
+    ``truth(**case)`` is the answer; ``mutants(**case)`` lists ``(wrong value, hint)`` pairs.
+    """
+    for case in cases:
+        call, got, raised = _call(report, fn, name, case)
+        if raised:
+            return
+        value = _as_number(report, call, got)
+        if value is None:
+            return
+        want = truth(**case)
+        if _close(value, want):
+            report.ok(f"{call} = {want:.6g} {unit}")
+            continue
+        hint = next((h for wrong, h in mutants(**case) if _close(value, wrong) and not _close(wrong, want)),
+                    fallback)
+        report.fail(f"{call} returned {value:.6g}, expected {want:.6g} {unit}: {hint}")
+        return
+
+
+# ---- 02.1 intensity of vector add ----------------------------------------------------------------------
+
+
+@exercise("02.1", "intensity of vector add", names=("vector_add_intensity",), time_limit_s=10)
+def grade_vector_add_intensity(report: Report, vector_add_intensity):
+    rng = np.random.default_rng(201)
+    cases = [{"n": 1 << 20, "itemsize": 4}, {"n": int(rng.integers(1000, 10**6)), "itemsize": 2},
+             {"n": int(rng.integers(10**7, 10**9)), "itemsize": 8}, {"n": 7, "itemsize": 1}]
+
+    def truth(n, itemsize):
+        return n / (3 * n * itemsize)
+
+    def mutants(n, itemsize):
+        return [
+            (n / (2 * n * itemsize), "you counted two arrays: x and y are read and out is written, three arrays"),
+            (n / (4 * n * itemsize), "you counted the output twice: out is written once and never read"),
+            (n / (n * itemsize), "you counted one array: x and y are read and out is written"),
+            (n / (3 * n), "bytes should be in the given dtype: multiply the element count by itemsize"),
+            (n / (3 * n * 4), "bytes should be in the given dtype (itemsize bytes per element), not always 4"),
+            (n / (3 * n * itemsize * 8), "itemsize is already in bytes, not bits"),
+            (3 * n * itemsize / n, "that is bytes per FLOP: intensity is FLOPs divided by bytes"),
+            (2 * n / (3 * n * itemsize), "an add is one FLOP per element (a multiply-add would be two)"),
+        ]
+
+    _grade_number(report, vector_add_intensity, "vector_add_intensity", cases, truth, mutants, "FLOP/B",
+                  "FLOPs (one add per element) divided by the bytes of x, y and out")
+
+
+# ---- 02.2 FLOPs and minimal bytes of a matmul -------------------------------------------------------------
+
+
+@exercise("02.2", "FLOPs and minimal bytes of a matmul", names=("matmul_flops_bytes",), time_limit_s=10)
+def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
+    rng = np.random.default_rng(202)
+    # not square, so that mixing up M, N and K shows; itemsize 2 and 1 so that a hard-coded 4 shows
+    cases = [{"M": 4096, "N": 4096, "K": 4096, "itemsize": 2},
+             {"M": int(rng.integers(2, 300)), "N": int(rng.integers(300, 5000)), "K": int(rng.integers(10, 80)),
+              "itemsize": 2},
+             {"M": 1, "N": 8192, "K": 8192, "itemsize": 1},
+             {"M": int(rng.integers(500, 3000)), "N": 7, "K": int(rng.integers(3000, 9000)), "itemsize": 4}]
+    for case in cases:
+        M, N, K, s = case["M"], case["N"], case["K"], case["itemsize"]
+        call, got, raised = _call(report, matmul_flops_bytes, "matmul_flops_bytes", case)
+        if raised:
+            return
+        if got is None:
+            report.fail(f"{call} returned None: did you forget `return`?")
+            return
+        if isinstance(got, (str, bytes)) or not hasattr(got, "__len__") or len(got) != 2:
+            report.fail(f"{call} returned {got!r}: return a pair (flops, nbytes)")
+            return
+        flops = _as_number(report, f"{call}[0] (flops)", got[0])
+        nbytes = _as_number(report, f"{call}[1] (nbytes)", got[1])
+        if flops is None or nbytes is None:
+            return
+        want_flops = 2 * M * N * K
+        want_bytes = (M * K + K * N + M * N) * s
+        if not _close(flops, want_flops):
+            if _close(flops, M * N * K):
+                hint = "a multiply-add is two FLOPs: 2·M·N·K"
+            elif _close(nbytes, want_flops) and _close(flops, want_bytes):
+                hint = "flops and nbytes are swapped: return (flops, nbytes)"
+            else:
+                hint = "C has M·N elements, each a dot product of length K (K multiplies and K adds)"
+            report.fail(f"{call}: flops {flops:.6g}, expected {want_flops:.6g}: {hint}")
+            return
+        if not _close(nbytes, want_bytes):
+            mutants = [
+                ((M * K + K * N + 2 * M * N) * s,
+                 "you counted the output twice: C = A @ B is written once, and never read"),
+                ((M * K + K * N) * s, "the output C (M·N elements) is written to memory too"),
+                (M * K + K * N + M * N, "bytes should be in the given dtype: multiply element counts by itemsize"),
+                ((M * K + K * N + M * N) * 4, "bytes should be in the given dtype (itemsize bytes), not always 4"),
+                ((2 * M * N * K + M * N) * s, "that counts every load of the naive triple loop; the minimal "
+                                              "traffic moves each matrix exactly once"),
+                ((M * K + K * N + M * N) * s * 8, "itemsize is already in bytes, not bits"),
+            ]
+            hint = next((h for wrong, h in mutants if _close(nbytes, wrong) and not _close(wrong, want_bytes)),
+                        "A is M×K, B is K×N, C is M×N: read A and B once, write C once")
+            report.fail(f"{call}: nbytes {nbytes:.6g}, expected {want_bytes:.6g}: {hint}")
+            return
+        report.ok(f"{call} = ({want_flops:.6g} FLOPs, {want_bytes:.6g} bytes): "
+                  f"intensity {want_flops / want_bytes:.4g} FLOP/B")
+
+
+# ---- 02.3 intensity of row softmax ----------------------------------------------------------------------
+
+
+@exercise("02.3", "intensity of row softmax", names=("softmax_intensity",), time_limit_s=10)
+def grade_softmax_intensity(report: Report, softmax_intensity):
+    rng = np.random.default_rng(203)
+    # itemsize 4 first: with itemsize 2, dropping itemsize and dropping the output give the same number
+    cases = [{"M": 4096, "N": 4096, "itemsize": 4}, {"M": int(rng.integers(1, 50)), "N": int(rng.integers(100, 9000)),
+                                                     "itemsize": 2},
+             {"M": 1, "N": 3, "itemsize": 2}, {"M": int(rng.integers(10**4, 10**5)), "N": 128, "itemsize": 8}]
+
+    def truth(M, N, itemsize):
+        return 5 * M * N / (2 * M * N * itemsize)
+
+    def mutants(M, N, itemsize):
+        f = 5 * M * N
+        return [
+            (f / (M * N * itemsize), "you left out the output: y (M·N elements) is written to memory"),
+            (f / (3 * M * N * itemsize), "you counted the output twice: y is written once and never read"),
+            (f / (4 * M * N * itemsize), "those are the bytes of a three-pass softmax (max, sum and normalise "
+                                         "each re-read x); the minimum reads x once, with a row kept on-chip"),
+            (f / (2 * M * N), "bytes should be in the given dtype: multiply element counts by itemsize"),
+            (2 * M * N * itemsize / f, "that is bytes per FLOP: intensity is FLOPs divided by bytes"),
+            (M * N / (2 * M * N * itemsize), "count 5 FLOPs per element, as the statement says"),
+            (3 * M * N / (2 * M * N * itemsize), "count 5 FLOPs per element: max, subtract, exp, sum, divide"),
+            (4 * M * N / (2 * M * N * itemsize), "count 5 FLOPs per element: max, subtract, exp, sum, divide"),
+        ]
+
+    _grade_number(report, softmax_intensity, "softmax_intensity", cases, truth, mutants, "FLOP/B",
+                  "5 FLOPs per element, divided by the bytes of reading x once and writing y once")
+
+
+# ---- 02.4 intensity of LayerNorm --------------------------------------------------------------------------
+
+
+@exercise("02.4", "intensity of LayerNorm", names=("layernorm_intensity",), time_limit_s=10)
+def grade_layernorm_intensity(report: Report, layernorm_intensity):
+    rng = np.random.default_rng(204)
+    # small M makes the weight and bias a visible share of the bytes; the first case is chosen so that
+    # each usual mistake gives a different number (with M = 1, several of them coincide)
+    cases = [{"M": 3, "N": int(rng.integers(100, 5000)), "itemsize": 4}, {"M": 1, "N": 4096, "itemsize": 2},
+             {"M": int(rng.integers(1000, 20000)), "N": 768, "itemsize": 2}, {"M": 2, "N": 5, "itemsize": 8}]
+
+    def truth(M, N, itemsize):
+        return 7 * M * N / ((2 * M * N + 2 * N) * itemsize)
+
+    def mutants(M, N, itemsize):
+        f = 7 * M * N
+        return [
+            (f / (2 * M * N * itemsize), "include the weight γ and bias β: N elements each, read once"),
+            (f / ((4 * M * N) * itemsize), "γ and β are read once, not once per row: they stay in cache"),
+            (f / ((M * N + 2 * N) * itemsize), "you left out the output: y (M·N elements) is written to memory"),
+            (f / ((3 * M * N + 2 * N) * itemsize), "you counted the output twice: y is written once, never read"),
+            (f / ((2 * M * N + N) * itemsize), "γ and β are two vectors of N elements each"),
+            (f / (2 * M * N + 2 * N), "bytes should be in the given dtype: multiply element counts by itemsize"),
+            ((2 * M * N + 2 * N) * itemsize / f, "that is bytes per FLOP: intensity is FLOPs divided by bytes"),
+            (f / ((2 * M * N + 2 * N + 2 * M) * itemsize),
+             "the statement asks for inference: the per-row mean and 1/std are not written out"),
+        ]
+
+    _grade_number(report, layernorm_intensity, "layernorm_intensity", cases, truth, mutants, "FLOP/B",
+                  "7 FLOPs per element, divided by the bytes of x and y (M·N each) and of γ and β (N each)")
+
+
+# ---- 02.5 ridge point -----------------------------------------------------------------------------------
+
+
+@exercise("02.5", "ridge point from two ceilings", names=("ridge_point",), time_limit_s=10)
+def grade_ridge_point(report: Report, ridge_point):
+    rng = np.random.default_rng(205)
+    cases = [{"peak_tflops": 989.5, "bandwidth_gbps": 3350.0}, {"peak_tflops": 65.0, "bandwidth_gbps": 300.0}]
+    cases += [{"peak_tflops": round(float(rng.uniform(5, 1000)), 1),
+               "bandwidth_gbps": round(float(rng.uniform(200, 5000)), 1)} for _ in range(2)]
+
+    def truth(peak_tflops, bandwidth_gbps):
+        return peak_tflops * 1e12 / (bandwidth_gbps * 1e9)
+
+    def mutants(peak_tflops, bandwidth_gbps):
+        return [
+            (peak_tflops / bandwidth_gbps, "TFLOP/s is 10^12 FLOP/s and GB/s is 10^9 B/s: convert both before "
+                                           "dividing (the ratio gains a factor 1000)"),
+            (bandwidth_gbps * 1e9 / (peak_tflops * 1e12), "inverted: the ridge is FLOP/s divided by bytes/s"),
+            (bandwidth_gbps / peak_tflops, "inverted: the ridge is FLOP/s divided by bytes/s"),
+            (peak_tflops * 1e12 / (bandwidth_gbps * 2**30), "that is GiB, not GB: GB/s means 10^9 bytes per second"),
+            (peak_tflops * 2**40 / (bandwidth_gbps * 2**30), "TFLOP/s and GB/s are decimal: 10^12 and 10^9, "
+                                                              "not 2^40 and 2^30"),
+            (peak_tflops * 1e12 / (bandwidth_gbps * 1e6), "GB/s is 10^9 bytes per second"),
+        ]
+
+    _grade_number(report, ridge_point, "ridge_point", cases, truth, mutants, "FLOP/B",
+                  "the ridge is the intensity where intensity × bandwidth = peak: peak FLOP/s ÷ bytes/s")
+
+
+# ---- 02.6 memory- or compute-bound -------------------------------------------------------------------------
+
+
+@exercise("02.6", "memory- or compute-bound", names=("classify",), time_limit_s=10)
+def grade_classify(report: Report, classify):
+    rng = np.random.default_rng(206)
+    gpus = [(989.5, 3350.0), (65.0, 300.0), (19.5, 2039.0)]
+    cases = []
+    # intensities on both sides of the ridge, some close to it, one a bit past ridge / 1000
+    for factor in (0.01, 0.5, 0.9, 1.15, 3.0, 200.0, 0.004):
+        peak, bw = gpus[len(cases) % len(gpus)]
+        nbytes = int(rng.integers(10**6, 10**9))
+        ridge = peak * 1e12 / (bw * 1e9)
+        cases.append({"flops": int(factor * ridge * nbytes), "nbytes": nbytes, "peak_tflops": peak,
+                      "bandwidth_gbps": bw})
+    answers = []
+    for case in cases:
+        call, got, raised = _call(report, classify, "classify", case)
+        if raised:
+            return
+        if got is None:
+            report.fail(f"{call} returned None: did you forget `return`?")
+            return
+        if got not in ("memory", "compute"):
+            report.fail(f"{call} returned {got!r}: return the string 'memory' or 'compute'")
+            return
+        answers.append((call, got))
+    wants = []
+    for case in cases:
+        ridge = case["peak_tflops"] * 1e12 / (case["bandwidth_gbps"] * 1e9)
+        wants.append(("memory" if case["flops"] / case["nbytes"] < ridge else "compute", ridge))
+    if all(got != want for (_, got), (want, _) in zip(answers, wants)):
+        report.fail(f"{answers[0][0]} returned {answers[0][1]!r}: every answer is swapped: an op left of the "
+                    "ridge (intensity below it) is memory-bound, right of it compute-bound")
+        return
+    for case, (call, got), (want, ridge) in zip(cases, answers, wants):
+        i = case["flops"] / case["nbytes"]
+        if got == want:
+            report.ok(f"{call} = {want!r} (intensity {i:.4g} FLOP/B, ridge {ridge:.4g} FLOP/B)")
+            continue
+        if want == "memory" and i > ridge / 1000:
+            hint = ("the ridge must be in FLOPs per byte: TFLOP/s × 10^12 ÷ (GB/s × 10^9), "
+                    "not TFLOP/s ÷ GB/s")
+        else:
+            hint = "compare the intensity (FLOPs / bytes) with the ridge (peak FLOP/s ÷ bandwidth in bytes/s)"
+        report.fail(f"{call} returned {got!r}: intensity {i:.4g} FLOP/B is "
+                    f"{'left' if want == 'memory' else 'right'} of the ridge ({ridge:.4g} FLOP/B), "
+                    f"so it is {want}-bound; {hint}")
+        return
+
+
+# ---- 02.7 lower-bound time ----------------------------------------------------------------------------------
+
+
+def _gpu_cases(rng, n: int) -> list[dict]:
+    """Ops on both sides of the ridge of an H100-like and a T4-like GPU."""
+    cases = []
+    for k in range(n):
+        peak, bw = [(989.5, 3350.0), (65.0, 300.0)][k % 2]
+        ridge = peak * 1e12 / (bw * 1e9)
+        nbytes = int(rng.integers(10**6, 10**10))
+        factor = [0.05, 8.0, 0.7, 40.0][k % 4]
+        cases.append({"flops": int(factor * ridge * nbytes), "nbytes": nbytes, "peak_tflops": peak,
+                      "bandwidth_gbps": bw})
+    return cases
+
+
+@exercise("02.7", "lower-bound time of an op", names=("min_time_ms",), time_limit_s=10)
+def grade_min_time(report: Report, min_time_ms):
+    cases = _gpu_cases(np.random.default_rng(207), 4)
+
+    def parts(flops, nbytes, peak_tflops, bandwidth_gbps):
+        return flops / (peak_tflops * 1e12), nbytes / (bandwidth_gbps * 1e9)
+
+    def truth(**case):
+        return max(parts(**case)) * 1e3
+
+    def mutants(**case):
+        c, m = parts(**case)
+        slower = "FLOPs / peak" if c > m else "bytes / bandwidth"
+        return [
+            ((c + m) * 1e3, "compute and memory traffic overlap: the bound is the larger of the two, not their sum"),
+            (min(c, m) * 1e3, f"the op needs both its FLOPs and its bytes: the slower one ({slower}) bounds it"),
+            (max(c, m), "that is seconds: the answer is in milliseconds"),
+            (max(c, m) * 1e6, "that is microseconds: the answer is in milliseconds"),
+            (max(c, case["nbytes"] / (case["bandwidth_gbps"] * 2**30)) * 1e3,
+             "that is GiB, not GB: GB/s means 10^9 bytes per second"),
+            (max(c * 1e12, m * 1e9) * 1e3, "convert TFLOP/s to FLOP/s (× 10^12) and GB/s to bytes/s (× 10^9)"),
+        ]
+
+    _grade_number(report, min_time_ms, "min_time_ms", cases, truth, mutants, "ms",
+                  "T >= max(FLOPs / peak FLOP/s, bytes / bandwidth in bytes/s), in milliseconds")
+
+
+# ---- 02.8 fraction of the roofline ---------------------------------------------------------------------------
+
+
+@exercise("02.8", "fraction of the roofline reached", names=("fraction_of_roofline",), time_limit_s=10)
+def grade_fraction(report: Report, fraction_of_roofline):
+    rng = np.random.default_rng(208)
+    cases = _gpu_cases(rng, 4)
+    for case, frac in zip(cases, rng.uniform(0.3, 0.95, len(cases))):
+        c = case["flops"] / (case["peak_tflops"] * 1e12)
+        m = case["nbytes"] / (case["bandwidth_gbps"] * 1e9)
+        case["ms"] = round(max(c, m) * 1e3 / float(frac), 6)
+    # reorder the keyword arguments to the signature's order
+    cases = [{k: case[k] for k in ("flops", "nbytes", "ms", "peak_tflops", "bandwidth_gbps")} for case in cases]
+
+    def achieved(flops, ms):
+        return flops / (ms * 1e-3) / 1e12
+
+    def truth(flops, nbytes, ms, peak_tflops, bandwidth_gbps):
+        return achieved(flops, ms) / min(peak_tflops, flops / nbytes * bandwidth_gbps / 1e3)
+
+    def mutants(flops, nbytes, ms, peak_tflops, bandwidth_gbps):
+        a, i = achieved(flops, ms), flops / nbytes
+        roof = min(peak_tflops, i * bandwidth_gbps / 1e3)
+        return [
+            (a / peak_tflops, "you compared with the compute peak: this op is memory-bound, its roof is "
+                              "intensity × bandwidth (in TFLOP/s: intensity × GB/s / 1000)"),
+            (a / (i * bandwidth_gbps / 1e3), "this op is compute-bound: its roof is the peak, the smaller of "
+                                             "the two limits"),
+            (roof / a, "inverted: the fraction is achieved ÷ attainable (at most 1)"),
+            (a / roof * 100, "return a fraction (e.g. 0.8), not a percentage"),
+            (a / roof * 1e-3, "ms is milliseconds: the time in seconds is ms × 1e-3"),
+            (a / roof * 1e3, "ms is milliseconds: the time in seconds is ms × 1e-3"),
+            (a / min(peak_tflops, i * bandwidth_gbps), "intensity × GB/s gives GFLOP/s: divide by 1000 for TFLOP/s"),
+        ]
+
+    _grade_number(report, fraction_of_roofline, "fraction_of_roofline", cases, truth, mutants, "of the roof",
+                  "achieved TFLOP/s (FLOPs / seconds / 10^12) ÷ min(peak, intensity × bandwidth / 1000)")

@@ -1,0 +1,239 @@
+"""Chapter 02's graders: typical wrong formulas are rejected with a message that teaches, and different
+but correct formulas are accepted."""
+import numpy as np
+import pytest
+
+from tests.helpers import grade
+
+# ---- 02.1 intensity of vector add ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda n, itemsize: n / (3 * n * itemsize),
+    lambda n, itemsize: 1 / (3 * itemsize),
+    lambda n, itemsize: np.float64(n) / (n * itemsize + n * itemsize + n * itemsize),
+])
+def test_02_1_accepts_correct(fn):
+    passed, text = grade("02.1", vector_add_intensity=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda n, s: n / (2 * n * s), "two arrays"),
+    (lambda n, s: n / (4 * n * s), "counted the output twice"),
+    (lambda n, s: n / (3 * n), "bytes should be in the given dtype"),
+    (lambda n, s: 3 * n * s / n, "bytes per FLOP"),
+    (lambda n, s: 2 * n / (3 * n * s), "one FLOP per element"),
+    (lambda n, s: n / (3 * 4 * n), "not always 4"),
+    (lambda n, s: n / (3 * n * s + 1), "divided by the bytes of x, y and out"),  # unexplained: the formula
+    (lambda n, s: None, "forget `return`"),
+    (lambda n, s: "1/12", "not a number"),
+])
+def test_02_1_rejects_wrong(fn, hint):
+    passed, text = grade("02.1", vector_add_intensity=fn)
+    assert not passed
+    assert hint in text, text
+
+
+def test_02_1_missing_name_is_explained():
+    passed, text = grade("02.1")
+    assert not passed and "vector_add_intensity not defined" in text
+
+# ---- 02.2 FLOPs and minimal bytes of a matmul ------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda M, N, K, itemsize: (2 * M * N * K, (M * K + K * N + M * N) * itemsize),
+    lambda M, N, K, itemsize: [float(M * N * (2 * K)), itemsize * (M * (K + N) + K * N)],
+    lambda M, N, K, itemsize: np.array([2.0 * M * N * K, (M * K + N * K + M * N) * itemsize]),
+])
+def test_02_2_accepts_correct(fn):
+    passed, text = grade("02.2", matmul_flops_bytes=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda M, N, K, s: (M * N * K, (M * K + K * N + M * N) * s), "multiply-add is two FLOPs"),
+    (lambda M, N, K, s: (2 * M * N * K, (M * K + K * N + 2 * M * N) * s), "counted the output twice"),
+    (lambda M, N, K, s: (2 * M * N * K, M * K + K * N + M * N), "bytes should be in the given dtype"),
+    (lambda M, N, K, s: (2 * M * N * K, (M * K + K * N + M * N) * 4), "not always 4"),
+    (lambda M, N, K, s: (2 * M * N * K, (M * K + K * N) * s), "is written to memory too"),
+    (lambda M, N, K, s: (2 * M * N * K, (2 * M * N * K + M * N) * s), "naive triple loop"),
+    (lambda M, N, K, s: ((M * K + K * N + M * N) * s, 2 * M * N * K), "swapped"),
+    (lambda M, N, K, s: (2 * M * N * K, (M * N + N * K + M * N) * s), "A is M×K"),
+    (lambda M, N, K, s: 2 * M * N * K, "return a pair"),
+])
+def test_02_2_rejects_wrong(fn, hint):
+    passed, text = grade("02.2", matmul_flops_bytes=fn)
+    assert not passed
+    assert hint in text, text
+
+# ---- 02.3 intensity of row softmax -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda M, N, itemsize: 5 * M * N / (2 * M * N * itemsize),
+    lambda M, N, itemsize: 2.5 / itemsize,
+])
+def test_02_3_accepts_correct(fn):
+    passed, text = grade("02.3", softmax_intensity=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda M, N, s: 5 * M * N / (M * N * s), "left out the output"),
+    (lambda M, N, s: 5 * M * N / (3 * M * N * s), "counted the output twice"),
+    (lambda M, N, s: 5 * M * N / (4 * M * N * s), "three-pass softmax"),
+    (lambda M, N, s: 5 * M * N / (2 * M * N), "bytes should be in the given dtype"),
+    (lambda M, N, s: 3 * M * N / (2 * M * N * s), "5 FLOPs per element"),
+    (lambda M, N, s: 2 * M * N * s / (5 * M * N), "bytes per FLOP"),
+])
+def test_02_3_rejects_wrong(fn, hint):
+    passed, text = grade("02.3", softmax_intensity=fn)
+    assert not passed
+    assert hint in text, text
+
+# ---- 02.4 intensity of LayerNorm -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda M, N, itemsize: 7 * M * N / ((2 * M * N + 2 * N) * itemsize),
+    lambda M, N, itemsize: 7 * M / (2 * (M + 1) * itemsize),
+])
+def test_02_4_accepts_correct(fn):
+    passed, text = grade("02.4", layernorm_intensity=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda M, N, s: 7 * M * N / (2 * M * N * s), "weight γ and bias β"),
+    (lambda M, N, s: 7 * M * N / (4 * M * N * s), "not once per row"),
+    (lambda M, N, s: 7 * M * N / ((M * N + 2 * N) * s), "left out the output"),
+    (lambda M, N, s: 7 * M * N / ((3 * M * N + 2 * N) * s), "counted the output twice"),
+    (lambda M, N, s: 7 * M * N / (2 * M * N + 2 * N), "bytes should be in the given dtype"),
+    (lambda M, N, s: 7 * M * N / ((2 * M * N + 2 * N + 2 * M) * s), "not written out"),
+    (lambda M, N, s: 5 * M * N / ((2 * M * N + 2 * N) * s), "7 FLOPs per element"),
+])
+def test_02_4_rejects_wrong(fn, hint):
+    passed, text = grade("02.4", layernorm_intensity=fn)
+    assert not passed
+    assert hint in text, text
+
+# ---- 02.5 ridge point ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda peak_tflops, bandwidth_gbps: peak_tflops * 1e12 / (bandwidth_gbps * 1e9),
+    lambda peak_tflops, bandwidth_gbps: 1000 * peak_tflops / bandwidth_gbps,
+])
+def test_02_5_accepts_correct(fn):
+    passed, text = grade("02.5", ridge_point=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda p, b: p / b, "gains a factor 1000"),
+    (lambda p, b: b * 1e9 / (p * 1e12), "inverted"),
+    (lambda p, b: p * 1e12 / (b * 2**30), "that is GiB, not GB"),
+    (lambda p, b: p * 2**40 / (b * 2**30), "not 2^40 and 2^30"),
+    (lambda p, b: p * 1e12 / b, "intensity × bandwidth = peak"),
+])
+def test_02_5_rejects_wrong(fn, hint):
+    passed, text = grade("02.5", ridge_point=fn)
+    assert not passed
+    assert hint in text, text
+
+# ---- 02.6 memory- or compute-bound -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda flops, nbytes, peak_tflops, bandwidth_gbps:
+        "memory" if flops / nbytes < peak_tflops * 1e12 / (bandwidth_gbps * 1e9) else "compute",
+    # which limit takes longer? the same question asked in time instead of intensity
+    lambda flops, nbytes, peak_tflops, bandwidth_gbps:
+        "compute" if flops / (peak_tflops * 1e12) >= nbytes / (bandwidth_gbps * 1e9) else "memory",
+])
+def test_02_6_accepts_correct(fn):
+    passed, text = grade("02.6", classify=fn)
+    assert passed, text
+
+
+def _classify_by(ridge_of, flip=False):
+    def classify(flops, nbytes, peak_tflops, bandwidth_gbps):
+        left = flops / nbytes < ridge_of(peak_tflops, bandwidth_gbps)
+        return ("compute" if left else "memory") if flip else ("memory" if left else "compute")
+    return classify
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (_classify_by(lambda p, b: p * 1e12 / (b * 1e9), flip=True), "every answer is swapped"),
+    (_classify_by(lambda p, b: p / b), "not TFLOP/s ÷ GB/s"),
+    (_classify_by(lambda p, b: p * 1e12 / (b * 1e9) * 10), "right of the ridge"),
+    (lambda flops, nbytes, p, b: "Memory-bound", "return the string 'memory' or 'compute'"),
+    (lambda flops, nbytes, p, b: flops / nbytes < 100, "return the string"),
+    (lambda flops, nbytes, p, b: "memory", "right of the ridge"),
+])
+def test_02_6_rejects_wrong(fn, hint):
+    passed, text = grade("02.6", classify=fn)
+    assert not passed
+    assert hint in text, text
+
+# ---- 02.7 lower-bound time -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda flops, nbytes, peak_tflops, bandwidth_gbps:
+        max(flops / (peak_tflops * 1e12), nbytes / (bandwidth_gbps * 1e9)) * 1e3,
+    lambda flops, nbytes, peak_tflops, bandwidth_gbps:
+        max(flops / peak_tflops / 1e9, nbytes / bandwidth_gbps / 1e6),
+])
+def test_02_7_accepts_correct(fn):
+    passed, text = grade("02.7", min_time_ms=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda f, n, p, b: (f / (p * 1e12) + n / (b * 1e9)) * 1e3, "not their sum"),
+    (lambda f, n, p, b: min(f / (p * 1e12), n / (b * 1e9)) * 1e3, "needs both its FLOPs and its bytes"),
+    (lambda f, n, p, b: max(f / (p * 1e12), n / (b * 1e9)), "that is seconds"),
+    (lambda f, n, p, b: max(f / (p * 1e12), n / (b * 1e9)) * 1e6, "that is microseconds"),
+    (lambda f, n, p, b: max(f / (p * 1e12), n / (b * 2**30)) * 1e3, "that is GiB, not GB"),
+    (lambda f, n, p, b: n / (b * 1e9) * 1e3, "needs both its FLOPs and its bytes"),
+    (lambda f, n, p, b: max(f / p, n / b), "T >= max"),
+])
+def test_02_7_rejects_wrong(fn, hint):
+    passed, text = grade("02.7", min_time_ms=fn)
+    assert not passed
+    assert hint in text, text
+
+# ---- 02.8 fraction of the roofline -----------------------------------------------------------------
+
+
+def _fraction(flops, nbytes, ms, peak_tflops, bandwidth_gbps):
+    achieved = flops / (ms * 1e-3) / 1e12
+    return achieved / min(peak_tflops, flops / nbytes * bandwidth_gbps / 1e3)
+
+
+@pytest.mark.parametrize("fn", [
+    _fraction,
+    # the same ratio in time: lower bound / measured time
+    lambda flops, nbytes, ms, peak_tflops, bandwidth_gbps:
+        max(flops / (peak_tflops * 1e9), nbytes / (bandwidth_gbps * 1e6)) / ms,
+])
+def test_02_8_accepts_correct(fn):
+    passed, text = grade("02.8", fraction_of_roofline=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda f, n, ms, p, b: f / (ms * 1e-3) / 1e12 / p, "compared with the compute peak"),
+    (lambda f, n, ms, p, b: f / (ms * 1e-3) / 1e12 / (f / n * b / 1e3), "its roof is the peak"),
+    (lambda f, n, ms, p, b: 1 / _fraction(f, n, ms, p, b), "inverted"),
+    (lambda f, n, ms, p, b: 100 * _fraction(f, n, ms, p, b), "not a percentage"),
+    (lambda f, n, ms, p, b: 1e3 * _fraction(f, n, ms, p, b), "ms is milliseconds"),
+    (lambda f, n, ms, p, b: f / (ms * 1e-3) / 1e12 / min(p, f / n * b), "intensity × GB/s / 1000"),
+])
+def test_02_8_rejects_wrong(fn, hint):
+    passed, text = grade("02.8", fraction_of_roofline=fn)
+    assert not passed
+    assert hint in text, text
