@@ -12,6 +12,7 @@ import importlib
 import os
 import select
 import signal
+import sys
 import time
 import threading
 import traceback
@@ -176,6 +177,10 @@ def _grade_in_child(ex: Exercise, objects: dict, report: Report) -> None:
     if pid == 0:  # the child: grade, send each line up the pipe, never return into the notebook
         os.close(read_fd)
         code = 0
+        if "torch" in sys.modules:
+            # The parent's intra-op worker threads do not exist in a forked child: a parallel torch op
+            # on the CPU would wait for them forever. One thread runs every op inline.
+            sys.modules["torch"].set_num_threads(1)
         try:
             with os.fdopen(write_fd, "w", buffering=1) as pipe:
                 child = Report(ex, sink=lambda line: pipe.write(line.replace("\n", " ") + "\n"))

@@ -1,0 +1,367 @@
+"""Graders for chapter 03, fusion IO accounting: bytes moved, fused and unfused, and the ledger.
+
+The exercises' reference counts follow the rules of ``kc.ledger`` (compulsory traffic: each input
+read once, each output written once, intermediates of a fused kernel kept on chip), and the graders
+check them against the ledger itself where a small example can be run.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import Report, exercise, guarded
+
+STATS_ITEMSIZE = 4  # PyTorch's GPU LayerNorm keeps its mean and rstd in float32 whatever x's dtype
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= 1e-9 * max(1.0, abs(want))
+
+
+def _number(report: Report, what: str, fn, *args) -> float | None:
+    """Call learner code and return its answer as a float, or record why it cannot be graded."""
+    before = report.failures
+    got = guarded(report, what, fn, *args)
+    if report.failures > before:
+        return None
+    if got is None:
+        report.fail(f"{what} returned None: did you forget `return`?")
+        return None
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        report.fail(f"{what} returned {got!r}, not a number")
+        return None
+    if not math.isfinite(value):
+        report.fail(f"{what} returned {value}")
+        return None
+    return value
+
+
+def _grade_numbers(report: Report, fn, name: str, cases, truth, wrong, unit: str = "bytes") -> None:
+    """Grade ``fn`` on ``cases``; ``wrong(*case)`` lists (value, hint) of typical mistakes."""
+    for case in cases:
+        what = f"{name}{tuple(case)}"
+        got = _number(report, what, fn, *case)
+        if got is None:
+            return
+        want = truth(*case)
+        shown = f"{want:,}" if isinstance(want, int) else f"{want:.6g}"
+        if _close(got, want):
+            report.ok(f"{what} = {shown} {unit}".rstrip())
+            continue
+        hint = next((h for value, h in wrong(*case) if _close(got, value)), None)
+        got_shown = f"{int(got):,}" if float(got).is_integer() else f"{got:.6g}"
+        report.fail(f"{what} returned {got_shown}, expected {shown}: "
+                    + (hint or "recount, op by op: what does each kernel read, and what does it write?"))
+        return
+
+
+def _cases(seed: int, count: int) -> list[tuple[int, int, int]]:
+    """(rows, cols, itemsize): a fixed tiny case, a single row, then random shapes of every kind."""
+    rng = np.random.default_rng(seed)
+    cases = [(3, 5, 4), (1, 4096, 2)]
+    while len(cases) < count:
+        rows = int(rng.choice([int(rng.integers(2, 100)), int(rng.integers(1000, 70000))]))
+        cols = int(rng.choice([int(rng.integers(2, 100)), int(rng.integers(500, 20000))]))
+        cases.append((rows, cols, int(rng.choice([1, 2, 4, 8]))))
+    return cases
+
+
+def _ledger_example(report: Report, fn, name: str, block, make_args, count_args) -> None:
+    """Check the learner's count against ``kc.ledger`` on a small float32 example."""
+    import torch
+
+    from .. import ledger
+
+    rows, cols = 5, 7
+    torch.manual_seed(3)
+    measured = count_args(ledger.measure(block, *make_args(rows, cols)))
+    got = _number(report, f"{name}({rows}, {cols}, 4)", fn, rows, cols, 4)
+    if got is None:
+        return
+    report.expect(_close(got, measured), f"matches kc.ledger on a ({rows}, {cols}) float32 example: {measured} bytes",
+                  f"kc.ledger counts {measured} bytes on a ({rows}, {cols}) float32 example, you said {got:g}")
+
+
+# ---- 03.1 and 03.2: the scaled GELU block, unfused and fused ----------------------------------
+
+
+def scaled_gelu_block(x, w, b):  # the block the statements show: x, w (rows, cols); b (cols,)
+    import torch.nn.functional as F
+
+    h = x * w
+    h = h + b
+    return F.gelu(h)
+
+
+def _block_args(rows, cols):
+    import torch
+
+    return torch.randn(rows, cols), torch.randn(rows, cols), torch.randn(cols)
+
+
+@exercise("03.1", "bytes of an unfused chain", names=("block_unfused_bytes",), time_limit_s=30)
+def grade_unfused(report: Report, block_unfused_bytes):
+    def truth(rows, cols, s):
+        return (7 * rows * cols + cols) * s
+
+    def wrong(rows, cols, s):
+        n = rows * cols
+        return [((8 * n) * s, "the bias is (cols,), broadcast over the rows: it is read once, cols elements, "
+                              "not rows × cols"),
+                ((3 * n + cols) * s, "that is the fused count: unfused, each h is written by one kernel and read "
+                                     "back by the next"),
+                (7 * n * s, "the add reads the bias too: cols more elements"),
+                ((4 * n + cols) * s, "you counted only reads: each kernel also writes its output"),
+                (3 * n * s, "you counted only writes: each kernel also reads its inputs"),
+                ((6 * n + cols) * s, "the multiply reads two full tensors, x and w"),
+                (6 * n * s, "the 2kN rule is for ops with one input: the multiply also reads w, the add reads b"),
+                (7 * n + cols, "multiply the element count by itemsize, the bytes per element")]
+
+    _grade_numbers(report, block_unfused_bytes, "block_unfused_bytes", _cases(31, 6), truth, wrong)
+    if report.failures == 0:
+        _ledger_example(report, block_unfused_bytes, "block_unfused_bytes", scaled_gelu_block, _block_args,
+                        lambda led: led.total)
+
+
+@exercise("03.2", "bytes of the fused chain", names=("block_fused_bytes",), time_limit_s=30)
+def grade_fused(report: Report, block_fused_bytes):
+    def truth(rows, cols, s):
+        return (3 * rows * cols + cols) * s
+
+    def wrong(rows, cols, s):
+        n = rows * cols
+        return [(2 * n * s, "the fused kernel still reads every input once: x, w and the bias"),
+                (3 * n * s, "the fused kernel reads the bias too: cols elements"),
+                ((5 * n + cols) * s, "inside one kernel, h stays in registers: it never reaches memory"),
+                ((4 * n + cols) * s, "inside one kernel, h stays in registers: it never reaches memory"),
+                (4 * n * s, "the bias is (cols,), broadcast over the rows: it is read once, cols elements"),
+                ((7 * n + cols) * s, "that is the unfused count: fused, only the inputs and the result move"),
+                (3 * n + cols, "multiply the element count by itemsize, the bytes per element")]
+
+    _grade_numbers(report, block_fused_bytes, "block_fused_bytes", _cases(32, 6), truth, wrong)
+    if report.failures == 0:
+        _ledger_example(report, block_fused_bytes, "block_fused_bytes", scaled_gelu_block, _block_args,
+                        lambda led: led.fused_bytes())
+
+
+# ---- 03.3 the IO reduction factor with extra operands --------------------------------------------
+
+
+@exercise("03.3", "the IO reduction factor", names=("io_reduction",), time_limit_s=30)
+def grade_io_reduction(report: Report, io_reduction):
+    cases = [(1, 0), (4, 0), (3, 2), (2, 1), (8, 3), (5, 5), (7, 1)]
+
+    def truth(k, extra):
+        return (2 * k + extra) / (2 + extra)
+
+    def wrong(k, extra):
+        return [(k, "the extra operands are read in both versions: fusion cannot shrink them, so the "
+                    "reduction is less than k"),
+                ((2 * k + 2 * extra) / (2 + extra), "an extra operand is only read, once, in both versions"),
+                ((2 * k + extra) / 2, "the fused kernel still reads the extra operands: 2 + extra in the denominator"),
+                (2 * k / (2 + extra), "unfused, the extra operands are read too: 2k + extra in the numerator"),
+                ((k + extra) / (1 + extra), "count each op's read and its write: 2k, not k"),
+                ((2 + extra) / (2 * k + extra), "that is fused / unfused: the reduction is unfused / fused, at least 1")]
+
+    _grade_numbers(report, io_reduction, "io_reduction", cases, truth, wrong, unit="")
+
+
+# ---- 03.4 LayerNorm forward with its statistics ------------------------------------------------
+
+
+@exercise("03.4", "bytes of a LayerNorm forward", names=("layernorm_bytes",), time_limit_s=30)
+def grade_layernorm(report: Report, layernorm_bytes):
+    def truth(rows, cols, s):
+        return (2 * rows * cols + 2 * cols) * s + 2 * rows * STATS_ITEMSIZE
+
+    def wrong(rows, cols, s):
+        n = rows * cols
+        stats = 2 * rows * STATS_ITEMSIZE
+        return [((2 * n + 2 * cols) * s, "LayerNorm also writes its statistics for the backward pass: a mean and "
+                                         "an rstd per row, in float32"),
+                ((2 * n + 2 * cols) * s + 2 * rows * s, "the statistics are float32, 4 bytes each, whatever x's dtype"),
+                ((2 * n + 2 * cols) * s + 2 * n * STATS_ITEMSIZE, "one mean and one rstd per row, not per element"),
+                ((2 * n + 2 * cols) * s + rows * STATS_ITEMSIZE, "two statistics per row: the mean and the rstd"),
+                (2 * n * s + stats, "the kernel reads weight and bias too: 2 × cols elements"),
+                ((4 * n) * s + stats, "weight and bias are (cols,), shared by every row"),
+                ((3 * n + 2 * cols) * s + stats, "a fused LayerNorm keeps its row on chip between computing the "
+                                                 "statistics and normalizing: x is read once"),
+                (2 * n + 2 * cols + 2 * rows, "multiply by the bytes per element: itemsize for x, y, weight and "
+                                              "bias, 4 for the statistics")]
+
+    _grade_numbers(report, layernorm_bytes, "layernorm_bytes", _cases(34, 6), truth, wrong)
+    if report.failures:
+        return
+    import torch
+    import torch.nn.functional as F
+
+    def layernorm(x, w, b):
+        return F.layer_norm(x, (x.shape[-1],), w, b)
+
+    # In float32 the statistics are float32 on every device, so the ledger's count is the answer.
+    _ledger_example(report, layernorm_bytes, "layernorm_bytes", layernorm,
+                    lambda r, c: (torch.randn(r, c), torch.randn(c), torch.randn(c)), lambda led: led.total)
+
+
+# ---- 03.5 fusions that would not reduce traffic ------------------------------------------------
+
+NO_SAVING = {"B", "C", "E"}
+WHY = {
+    "A": "A does cut traffic: fused, x is read once and y written once, 2N + C instead of 4N + C",
+    "B": "B saves nothing: the sum must be complete before any element is divided and x does not fit on chip, "
+         "so even one kernel reads x twice, 3N as with two kernels",
+    "C": "C saves nothing: a and b share no data, so one kernel or two, each is read once and written once "
+         "(it saves a launch, not bytes)",
+    "D": "D does cut traffic: h must still be written for the backward pass, but the fused kernel never reads it "
+         "back, 5N becomes 4N",
+    "E": "E saves nothing: a view moves no bytes, so there is nothing to fuse away",
+    "F": "F does cut traffic: a 1024-element row fits on chip, so softmax and dropout read it once and write once",
+    "G": "G does cut traffic: the product is never written and read back; whether it saves time is another "
+         "matter, since a large matmul is compute-bound",
+}
+
+
+@exercise("03.5", "fusions that save no traffic", names=("no_traffic_saved",), time_limit_s=10)
+def grade_no_saving(report: Report, no_traffic_saved):
+    before = report.failures
+    got = guarded(report, "no_traffic_saved()", no_traffic_saved)
+    if report.failures > before:
+        return
+    if got is None:
+        return report.fail("no_traffic_saved() returned None: did you forget `return`?")
+    if isinstance(got, str):
+        got = [c for c in got if not c.isspace() and c not in ",;"]
+    try:
+        letters = {str(c).strip().upper() for c in got}
+    except TypeError:
+        return report.fail(f"no_traffic_saved() returned {got!r}: return a set of letters, e.g. {{'A', 'F'}}")
+    unknown = letters - set(WHY)
+    if unknown:
+        return report.fail(f"no_traffic_saved() returned {sorted(unknown)}: the choices are the letters A to G")
+    for letter in sorted(WHY):
+        right = (letter in letters) == (letter in NO_SAVING)
+        verdict = "saves no traffic" if letter in NO_SAVING else "cuts traffic"
+        report.expect(right, f"{letter} {verdict}", WHY[letter])
+
+
+# ---- 03.6 a predicted speed-up with a launch floor ---------------------------------------------
+
+
+@exercise("03.6", "predict the speed-up of fusion", names=("predicted_speedup",), time_limit_s=30)
+def grade_speedup(report: Report, predicted_speedup):
+    cases = [(1, 1024, 2, 3350.0, 2.5), (65536, 4096, 2, 3350.0, 2.5), (256, 4096, 4, 2039.0, 4.0),
+             (8192, 1000, 1, 900.0, 5.5), (4096, 4096, 8, 1555.0, 3.0)]
+
+    def model(rows, cols, s, gbps, launch_us, kernels=(3, 1), bw_unit=1e9, launch_unit=1e-6):
+        n = rows * cols
+        unfused = kernels[0] * launch_us * launch_unit + (7 * n + cols) * s / (gbps * bw_unit)
+        fused = kernels[1] * launch_us * launch_unit + (3 * n + cols) * s / (gbps * bw_unit)
+        return unfused / fused
+
+    def truth(*case):
+        return model(*case)
+
+    def wrong(rows, cols, s, gbps, launch_us):
+        n = rows * cols
+        case = (rows, cols, s, gbps, launch_us)
+        return [((7 * n + cols) / (3 * n + cols), "at small sizes the launches dominate: add kernels × launch_us "
+                                                  "to each time (3 launches unfused, 1 fused)"),
+                (3.0, "at large sizes the bytes dominate: add bytes / bandwidth to each time"),
+                (model(*case, kernels=(1, 1)), "fusion also removes launches: 3 kernels unfused, 1 fused"),
+                (model(*case, kernels=(3, 3)), "fusion also removes launches: 3 kernels unfused, 1 fused"),
+                (model(*case, bw_unit=2**30), "GB/s is 10^9 bytes per second, not 2^30"),
+                (model(*case, launch_unit=1e-3), "launch_us is in microseconds: 1e-6 s"),
+                (model(*case, launch_unit=1.0), "launch_us is in microseconds: 1e-6 s"),
+                (1 / model(*case), "that is T_fused / T_unfused: the speed-up is T_unfused / T_fused")]
+
+    _grade_numbers(report, predicted_speedup, "predicted_speedup", cases, truth, wrong, unit="x")
+
+
+# ---- 03.7 the largest intermediate, found with the ledger --------------------------------------
+
+
+def _hidden_functions():
+    """(name, fn, args) of functions whose largest intermediate the learner must find."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(37)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def attention(q, k, v):  # (B, H, T, d): the (B, H, T, T) scores are the big intermediate
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        return torch.softmax(s, dim=-1) @ v
+
+    def cross_entropy(logits, target):  # (T, V) bf16 logits, cast to float32 first
+        return F.cross_entropy(logits.float(), target)
+
+    def outer_norm(x):  # returns its biggest tensor, scaled in place: the intermediates are small
+        s = x.sum(dim=1)
+        y = torch.outer(s, s)
+        y.div_(s.abs().max())
+        return y
+
+    def mlp(x, w1, w2):  # the hidden activation is 4x wider than the input
+        h = x @ w1
+        h = F.gelu(h)
+        return h @ w2
+
+    def transposed_head(x):  # a large view of the input, then a small intermediate
+        xt = x.t()
+        head = xt[:, :4] * 2.0
+        return head.sum(dim=1)
+
+    def layer_norm_rows(x, w, b):  # a multi-output op: out, mean and rstd are three tensors
+        y = F.layer_norm(x, (x.shape[-1],), w, b)
+        return y.sum(dim=0)
+
+    return [
+        ("attention", attention, (rand(2, 3, 64, 16), rand(2, 3, 64, 16), rand(2, 3, 64, 16))),
+        ("cross_entropy", cross_entropy, (rand(96, 500, dtype=torch.bfloat16), torch.randint(0, 500, (96,), generator=g))),
+        ("outer_norm", outer_norm, (rand(300, 7),)),
+        ("mlp", mlp, (rand(48, 32), rand(32, 128), rand(128, 32))),
+        ("transposed_head", transposed_head, (rand(200, 90),)),
+        ("layer_norm_rows", layer_norm_rows, (rand(40, 64), rand(64), rand(64))),
+    ]
+
+
+@exercise("03.7", "find the largest intermediate", names=("largest_intermediate_bytes",), time_limit_s=60)
+def grade_largest_intermediate(report: Report, largest_intermediate_bytes):
+    for name, fn, args in _hidden_functions():
+        if not _grade_intermediate(report, largest_intermediate_bytes, name, fn, args):
+            return
+
+
+def _grade_intermediate(report: Report, largest_intermediate_bytes, name, fn, args) -> bool:
+    from .. import ledger
+
+    led = ledger.measure(fn, *args)
+    want = led.largest_intermediate().nbytes
+    what = f"largest_intermediate_bytes({name}, ...)"
+    got = _number(report, what, largest_intermediate_bytes, fn, *args)
+    if got is None:
+        return False
+    if _close(got, want):
+        report.ok(f"{what} = {want:,} bytes")
+        return True
+    returned = [ledger.footprint(t) for t in ledger._tensors(led.outputs)]
+    given = [ledger.footprint(t) for t in ledger._tensors(args)]
+    row_totals = [r.bytes_written for r in led.rows]
+    if any(_close(got, b) for b in returned) and got > want:
+        hint = "that tensor is what fn returns, not an intermediate: leave out the outputs"
+    elif any(_close(got, b) for b in given):
+        hint = ("that is the size of one of fn's inputs, or of a view of one: a view makes no tensor, and "
+                "inputs are not intermediates")
+    elif any(_close(got, b) for b in row_totals):
+        hint = "that is everything one op wrote: an op can write several tensors; count one tensor"
+    elif _close(got, led.total) or _close(got, led.total_written):
+        hint = "that is the ledger's total traffic, not one tensor"
+    else:
+        hint = "measure fn with kc.ledger.measure(fn, *args) and look at the tensors its ops made"
+    report.fail(f"{what} returned {got:,.0f}, expected {want:,}: {hint}")
+    return False
