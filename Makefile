@@ -38,6 +38,7 @@ test: $(INSTALLED)
 	$(BIN)/python -m pytest tests notebooks solutions --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=600 -q
 	$(BIN)/jupyter-book build . -W -n --keep-going -q
+	$(BIN)/python tools/check_site.py
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab

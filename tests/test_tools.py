@@ -88,3 +88,24 @@ def test_stamp_check_rejects_missing_and_cpu_stamps():
     del nb.metadata["kernelcourse"]
     assert "no GPU stamp" in stamp.stamp_problem(nb)
     assert "not from a GPU" in stamp.stamp_problem(cpu)
+
+
+def test_site_check_finds_broken_links_and_anchors(tmp_path):
+    import check_site
+
+    (tmp_path / "a.html").write_text('<h1 id="top">A</h1>')
+    base = "http://127.0.0.1:1/b/page.html"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "page.html").write_text("<p>B</p>")
+    problems = check_site.check_links(tmp_path, base, ["../a.html#top", "../a.html#nowhere", "missing.html",
+                                                      "https://example.org/x", "#"])
+    assert len(problems) == 2, problems
+    assert any("no anchor #nowhere" in p for p in problems) and any("missing.html" in p for p in problems)
+
+
+def test_site_check_expects_colab_at_the_notebook_path():
+    import check_site
+
+    url = check_site.expected_colab("notebooks/01_vector_add.html")
+    assert url.startswith("https://colab.research.google.com/github/")
+    assert url.endswith("/blob/main/notebooks/01_vector_add.ipynb")
