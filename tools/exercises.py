@@ -82,6 +82,9 @@ def note_cell(stem: str):
     return cell
 
 
+TITLE = re.compile(r"^(# .*):\s*solutions\s*$", re.MULTILINE | re.IGNORECASE)
+
+
 def exercise_notebook(solution) -> nbformat.NotebookNode:
     nb = copy.deepcopy(solution)
     # Only what a reader's notebook needs, so executing a solution (which records the kernel's
@@ -95,7 +98,8 @@ def exercise_notebook(solution) -> nbformat.NotebookNode:
             cell.outputs = []
             cell.execution_count = None
         elif cell.cell_type == "markdown":
-            cell.source = strip_solutions(cell.source, markdown=True)
+            # "# 01 · CUDA vector add: solutions" becomes "...: exercises"
+            cell.source = TITLE.sub(r"\1: exercises", strip_solutions(cell.source, markdown=True), count=1)
         cell.metadata.pop("execution", None)
     return nb
 
