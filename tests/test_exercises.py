@@ -27,3 +27,22 @@ def test_generated_stubs_fail_every_grader(stem):
 def test_solutions_pass_every_grader(stem):
     rows = grade([ROOT / "solutions" / f"{stem}.ipynb"])
     assert rows and all(r.passed for r in rows), render(rows)
+
+
+def test_report_survives_bad_learner_code_and_leaves_the_notebook_alone(tmp_path):
+    import nbformat
+
+    nb = nbformat.read(ROOT / "solutions" / "01_vector_add.ipynb", as_version=4)
+    for cell in nb.cells:
+        if "def grid_size" in cell.source:
+            cell.source = "def grid_size(n, block):\n    return (n + block - 1) //"  # a syntax error
+        if "def vector_add_gbps" in cell.source:
+            cell.source = cell.source.replace("    bytes_moved =", "    while True:\n        pass\n    bytes_moved =")
+    path = tmp_path / "01_vector_add.ipynb"
+    nbformat.write(nb, path)
+    before = path.read_bytes()
+    rows = {r.exercise: r for r in grade([path])}
+    assert path.read_bytes() == before
+    assert not rows["01.2"].passed and "not defined" in rows["01.2"].message, render(list(rows.values()))
+    assert not rows["01.5"].passed and "never ends" in rows["01.5"].message, render(list(rows.values()))
+    assert all(rows[e].passed for e in ("01.1", "01.3", "01.4")), render(list(rows.values()))

@@ -13,12 +13,14 @@ import io
 import json
 import re
 import sys
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import nbformat
 import pytest
 
+MESSAGE_WIDTH = 90  # the report's message column wraps here, so a terminal shows it whole
 GRADER = re.compile(r"""kc\.grading\.check\(\s*["'](\d\d\.\d+)["']\s*,\s*globals\(\)\s*\)""")
 
 
@@ -116,7 +118,11 @@ def render(rows: list[Row]) -> str:
     body = [(r.notebook, r.exercise, "pass" if r.passed else "FAIL", r.message) for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head[:3])]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths)) + "  " + head[3]]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(b[:3], widths)) + "  " + b[3] for b in body]
+    indent = " " * (sum(widths) + 2 * len(widths))
+    for b in body:
+        message = textwrap.wrap(b[3], width=MESSAGE_WIDTH) or [""]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(b[:3], widths)) + "  " + message[0])
+        lines += [indent + more for more in message[1:]]
     passed = sum(r.passed for r in rows)
     lines.append(f"Score: {passed}/{len(rows)} exercises passed")
     return "\n".join(lines)
