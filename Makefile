@@ -27,6 +27,7 @@ $(INSTALLED): requirements.txt pyproject.toml
 install: $(INSTALLED)
 
 book: $(INSTALLED)
+	$(BIN)/python tools/landing_figure.py
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo ""
 	@echo "The website is built. Open: file://$(CURDIR)/_build/html/index.html"
@@ -37,6 +38,7 @@ test: $(INSTALLED)
 	$(BIN)/python tools/stamp.py --check notebooks/*.ipynb
 	$(BIN)/python -m pytest tests notebooks solutions --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=600 -q
+	$(BIN)/python tools/landing_figure.py
 	$(BIN)/jupyter-book build . -W -n --keep-going -q
 	$(BIN)/python tools/check_site.py
 

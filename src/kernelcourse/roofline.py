@@ -303,13 +303,15 @@ class Point:
         return self.flops / (self.ms * 1e-3) / 1e12
 
 
-def plot(points, ceilings: Ceilings | None = None, dtype: str = "fp16", ax=None, title: str | None = None):
+def plot(points, ceilings: Ceilings | None = None, dtype: str = "fp16", ax=None, title: str | None = None,
+         labels: str = "inline"):
     """Draw the roofline of ``ceilings`` for ``dtype`` on log-log axes and place ``points`` on it.
 
     x: arithmetic intensity (FLOPs/byte), y: TFLOP/s. The memory slope (intensity x bandwidth) and the
     compute ceiling are drawn in, the ridge is marked, each point sits at (intensity, achieved TFLOP/s).
     A point above its roof is circled in red: the op cannot be that fast, so the timing is wrong.
-    Returns the matplotlib Axes.
+    ``labels="inline"`` names each point beside it; ``"legend"`` names them in the legend, for plots
+    whose points crowd together. Returns the matplotlib Axes.
     """
     import matplotlib.pyplot as plt
 
@@ -348,14 +350,15 @@ def plot(points, ceilings: Ceilings | None = None, dtype: str = "fp16", ax=None,
     above = {i: k % 2 == 0 for k, i in enumerate(sorted(range(len(points)), key=lambda i: xs[i]))}
     for i, (p, x, y) in enumerate(zip(points, xs, ys)):
         col = colors[i % len(colors)]
-        ax.scatter([x], [y], s=40, color=col, zorder=3)
+        ax.scatter([x], [y], s=40, color=col, zorder=3, label=p.name if labels == "legend" else None)
         roof = attainable(x, c.peak_tflops.get(p.dtype, peak), bw)
         if y > 1.10 * roof:  # measured ceilings are not exact limits: flag only clear violations
             ax.scatter([x], [y], s=180, facecolors="none", edgecolors="tab:red", lw=1.5, zorder=4,
                        label=None if flagged else "above the roof: a timing error")
             flagged = True
-        ax.annotate(p.name, (x, y), xytext=(5, 5) if above[i] else (5, -6), textcoords="offset points",
-                    fontsize=8, color=col, va="bottom" if above[i] else "top")
+        if labels == "inline":
+            ax.annotate(p.name, (x, y), xytext=(5, 5) if above[i] else (5, -6), textcoords="offset points",
+                        fontsize=8, color=col, va="bottom" if above[i] else "top")
 
     ax.set_xscale("log")
     ax.set_yscale("log")
