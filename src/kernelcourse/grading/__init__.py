@@ -8,7 +8,9 @@ one-line explanation instead of a traceback from inside the grader.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import math
 import os
 import select
 import signal
@@ -177,6 +179,7 @@ def _grade_in_child(ex: Exercise, objects: dict, report: Report) -> None:
     if pid == 0:  # the child: grade, send each line up the pipe, never return into the notebook
         os.close(read_fd)
         code = 0
+        faulthandler.disable()  # a crash is reported by the parent in one line, not as a stack dump
         if "torch" in sys.modules:
             # The parent's intra-op worker threads do not exist in a forked child: a parallel torch op
             # on the CPU would wait for them forever. One thread runs every op inline.
@@ -235,6 +238,32 @@ def guarded(report: Report, what: str, fn, *args, **kwargs):
     except Exception as exc:
         report.fail(f"{what}: {explain(exc)}")
         return None
+
+
+def as_number(report: Report, what: str, got) -> float | None:
+    """The learner's return value as a float, or None after recording why it is not a number."""
+    if got is None:
+        report.fail(f"{what} returned None: did you forget `return`?")
+        return None
+    if isinstance(got, (str, bytes, bool)) or not hasattr(got, "__float__"):
+        report.fail(f"{what} returned {got!r} of type {type(got).__name__}, not a number")
+        return None
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        report.fail(f"{what} returned {got!r}, not a number")
+        return None
+    if not math.isfinite(value):
+        report.fail(f"{what} returned {value}: check for a division by zero or a missing factor")
+        return None
+    return value
+
+
+def number(report: Report, what: str, fn, *args) -> float | None:
+    """Call learner code that should return a number; None after recording why it did not."""
+    before = report.failures
+    got = guarded(report, what, fn, *args)
+    return None if report.failures > before else as_number(report, what, got)
 
 
 # ---- comparing outputs ------------------------------------------------------------------------

@@ -11,32 +11,13 @@ import math
 
 import numpy as np
 
-from . import Report, exercise, guarded
+from . import Report, as_number, exercise, guarded
 
 RTOL = 1e-4
 
 
 def _close(a: float, b: float, rtol: float = RTOL) -> bool:
     return abs(a - b) <= rtol * abs(b)
-
-
-def _as_number(report: Report, call: str, got) -> float | None:
-    """The learner's return value as a float, or None after recording why it is not a number."""
-    if got is None:
-        report.fail(f"{call} returned None: did you forget `return`?")
-        return None
-    if isinstance(got, (str, bytes, bool)) or not hasattr(got, "__float__"):
-        report.fail(f"{call} returned {got!r} of type {type(got).__name__}, not a number")
-        return None
-    try:
-        value = float(got)
-    except (TypeError, ValueError):
-        report.fail(f"{call} returned {got!r}, not a number")
-        return None
-    if not math.isfinite(value):
-        report.fail(f"{call} returned {value}: check for a division by zero or a missing factor")
-        return None
-    return value
 
 
 def _call(report: Report, fn, name: str, args: dict):
@@ -56,7 +37,7 @@ def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutan
         call, got, raised = _call(report, fn, name, case)
         if raised:
             return
-        value = _as_number(report, call, got)
+        value = as_number(report, call, got)
         if value is None:
             return
         want = truth(**case)
@@ -120,8 +101,8 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
         if isinstance(got, (str, bytes)) or not hasattr(got, "__len__") or len(got) != 2:
             report.fail(f"{call} returned {got!r}: return a pair (flops, nbytes)")
             return
-        flops = _as_number(report, f"{call}[0] (flops)", got[0])
-        nbytes = _as_number(report, f"{call}[1] (nbytes)", got[1])
+        flops = as_number(report, f"{call}[0] (flops)", got[0])
+        nbytes = as_number(report, f"{call}[1] (nbytes)", got[1])
         if flops is None or nbytes is None:
             return
         want_flops = 2 * M * N * K

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import Report, exercise, guarded
+from . import Report, exercise, guarded, number
 
 STATS_ITEMSIZE = 4  # PyTorch's GPU LayerNorm keeps its mean and rstd in float32 whatever x's dtype
 
@@ -19,31 +19,11 @@ def _close(got: float, want: float) -> bool:
     return abs(got - want) <= 1e-9 * max(1.0, abs(want))
 
 
-def _number(report: Report, what: str, fn, *args) -> float | None:
-    """Call learner code and return its answer as a float, or record why it cannot be graded."""
-    before = report.failures
-    got = guarded(report, what, fn, *args)
-    if report.failures > before:
-        return None
-    if got is None:
-        report.fail(f"{what} returned None: did you forget `return`?")
-        return None
-    try:
-        value = float(got)
-    except (TypeError, ValueError):
-        report.fail(f"{what} returned {got!r}, not a number")
-        return None
-    if not math.isfinite(value):
-        report.fail(f"{what} returned {value}")
-        return None
-    return value
-
-
 def _grade_numbers(report: Report, fn, name: str, cases, truth, wrong, unit: str = "bytes") -> None:
     """Grade ``fn`` on ``cases``; ``wrong(*case)`` lists (value, hint) of typical mistakes."""
     for case in cases:
         what = f"{name}{tuple(case)}"
-        got = _number(report, what, fn, *case)
+        got = number(report, what, fn, *case)
         if got is None:
             return
         want = truth(*case)
@@ -78,7 +58,7 @@ def _ledger_example(report: Report, fn, name: str, block, make_args, count_args)
     rows, cols = 5, 7
     torch.manual_seed(3)
     measured = count_args(ledger.measure(block, *make_args(rows, cols)))
-    got = _number(report, f"{name}({rows}, {cols}, 4)", fn, rows, cols, 4)
+    got = number(report, f"{name}({rows}, {cols}, 4)", fn, rows, cols, 4)
     if got is None:
         return
     report.expect(_close(got, measured), f"matches kc.ledger on a ({rows}, {cols}) float32 example: {measured} bytes",
@@ -343,7 +323,7 @@ def _grade_intermediate(report: Report, largest_intermediate_bytes, name, fn, ar
     led = ledger.measure(fn, *args)
     want = led.largest_intermediate().nbytes
     what = f"largest_intermediate_bytes({name}, ...)"
-    got = _number(report, what, largest_intermediate_bytes, fn, *args)
+    got = number(report, what, largest_intermediate_bytes, fn, *args)
     if got is None:
         return False
     if _close(got, want):
