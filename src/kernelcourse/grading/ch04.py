@@ -1,0 +1,472 @@
+"""Graders for chapter 04, Triton kernels (Triton's interpreter on the CPU, compiled on a GPU).
+
+Each grader launches the learner's ``@triton.jit`` kernel itself, so that calling PyTorch from a
+launcher cannot pass. Every input and output lives inside a larger buffer: inputs are framed by NaN
+(an unmasked read past the data brings NaN into the result), outputs by poison (a write past the data
+shows in the frame, an element never written keeps its poison). Results are compared with a float64
+truth, row by row for row-wise kernels, with a tolerance of twice PyTorch's own error at the same
+precision on the same device. When a result is wrong, the grader also computes the typical mistakes
+(a missing mask, a wrong stride, a missing max...) and names the one that matches.
+
+Chapter 05's graders use the helpers here.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import numpy as np
+
+from ..world import world
+from . import POISON, Report, compare, exercise, explain
+
+GUARD = 1024  # elements of frame after 1D data: at least the largest block a grader launches
+NAN = float("nan")
+PAD = 0.5  # the frame of row-wise inputs: finite, so that reading it gives a wrong value the grader can name
+
+
+# ---- helpers shared with chapter 05 --------------------------------------------------------------
+
+
+def child_safe(grade):
+    """Run a grader with PyTorch on one CPU thread and NumPy's floating-point warnings off.
+
+    On the CPU, grading runs in a forked child. A child that inherits PyTorch's thread pool from its
+    parent hangs the first time an operation is large enough to use it; one thread never does. Wrong
+    kernels overflow on purpose-made inputs: the grader's line says so, a warning would only add noise.
+    """
+    @functools.wraps(grade)
+    def wrapper(report, **objects):
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return grade(report, **objects)
+        finally:
+            torch.set_num_threads(before)
+    return wrapper
+
+
+def not_a_kernel(obj, name: str) -> str | None:
+    """None if ``obj`` can be launched as ``obj[grid](...)``, else a line saying what to do."""
+    if callable(obj) and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
+        return None
+    if callable(obj):
+        return f"{name} is a plain Python function: decorate it with @triton.jit so it can be launched as {name}[grid](...)"
+    return f"{name} is not a kernel (got {type(obj).__name__}): define it with @triton.jit"
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16}[name]
+
+
+def framed(data: np.ndarray, dtype: str, fill: float, pad_rows: int = 0, pad_cols: int = 0):
+    """``data`` on the device inside a larger tensor filled with ``fill``: returns (full, view).
+
+    1D data gets ``GUARD`` elements after it; 2D data gets ``pad_cols`` extra columns (so its row
+    stride is larger than its width) and ``pad_rows`` extra rows below.
+    """
+    import torch
+
+    dev, dt = world().device, torch_dtype(dtype)
+    with np.errstate(over="ignore"):
+        fill = float(np.asarray(fill, dtype=np.float16 if dtype == "fp16" else np.float32))  # poison -> -inf in fp16
+    if data.ndim == 1:
+        full = torch.full((data.size + GUARD,), fill, dtype=dt, device=dev)
+        view = full[: data.size]
+    else:
+        rows, cols = data.shape
+        full = torch.full((rows + pad_rows, cols + pad_cols), fill, dtype=dt, device=dev)
+        view = full[:rows, :cols]
+    view.copy_(torch.from_numpy(data).to(dt))
+    return full, view
+
+
+def host(t) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def exact(t) -> np.ndarray:
+    """The values a tensor holds, exactly, in float64 (the truth is computed from these)."""
+    return host(t).astype(np.float64)
+
+
+def launch(report: Report, what: str, kernel, grid, *args, **meta) -> bool:
+    """Launch the learner's kernel; on an error, record one line that says what went wrong."""
+    try:
+        kernel[grid](*args, **meta)
+        if world().gpu:
+            import torch
+
+            torch.cuda.synchronize()
+        return True
+    except Exception as exc:
+        text = str(exc)
+        if "Expected dtype ['fp32', 'fp64']" in text:
+            hint = ("a math function (tl.erf, tl.exp, tl.sqrt...) got float16: convert what you load with "
+                    "x.to(tl.float32) and compute in float32")
+        elif "unexpected keyword" in text or "missing" in text and "argument" in text:
+            hint = f"{explain(exc)}; keep the kernel's signature as the exercise gives it"
+        else:
+            hint = explain(exc)
+        report.fail(f"{what}: {hint}")
+        return False
+
+
+def outside_writes(full_before_fill: float, full, view_mask: np.ndarray) -> int:
+    """How many elements of ``full`` outside the data (where ``view_mask`` is False) were changed."""
+    h = host(full)
+    poison = np.asarray(full_before_fill, dtype=h.dtype)
+    return int(((h != poison) & ~view_mask).sum())
+
+
+def nothing_written(got: np.ndarray) -> bool:
+    """True when every element of the output still holds the poison: the kernel stored nothing."""
+    return bool(np.all(got == np.asarray(POISON, dtype=got.dtype)))
+
+
+STUB = "no element of the output was written (is the kernel body still a stub?)"
+
+
+def data_mask(shape, rows: int, cols: int | None = None) -> np.ndarray:
+    m = np.zeros(shape, dtype=bool)
+    if cols is None:
+        m[:rows] = True
+    else:
+        m[:rows, :cols] = True
+    return m
+
+
+def rounding_floor(dtype) -> float:
+    """The least tolerance, relative to the largest value: a few rounding steps of the output dtype.
+
+    A kernel of several float32 operations is a few units in the last place from the truth, as is
+    PyTorch, but not always at the same elements; on a GPU, Triton's exp, sqrt and division use the
+    fast hardware approximations, good to about two units.
+    """
+    return float(np.finfo(dtype).eps) * (8 if np.dtype(dtype) == np.float32 else 2)
+
+
+def tolerance(truth: np.ndarray, reference: np.ndarray, dtype) -> float:
+    """compare()'s tolerance: twice PyTorch's worst error, at least rounding_floor() of the largest value."""
+    eps = rounding_floor(dtype)
+    scale = float(np.max(np.abs(truth))) if truth.size else 0.0
+    return max(eps * scale, 2 * float(np.max(np.abs(reference.astype(np.float64) - truth))) if truth.size else 0.0)
+
+
+def diagnose(got: np.ndarray, mistakes, tol: float) -> str | None:
+    """The hint of the first typical mistake whose result ``got`` reproduces (within ``tol``)."""
+    g = got.astype(np.float64)
+    for hint, wrong in mistakes:
+        with np.errstate(invalid="ignore", over="ignore"):
+            w = np.asarray(wrong, dtype=np.float64)
+        if w.shape == g.shape and np.all(np.isfinite(g) == np.isfinite(w)):
+            finite = np.isfinite(g)
+            if finite.any() and np.all(np.abs(g[finite] - w[finite]) <= 2 * tol + 1e-12):
+                return hint
+    return None
+
+
+def compare_rows(got, truth, reference, what: str, mistakes_of=None, nonfinite: str = "") -> tuple[bool, str]:
+    """compare() row by row (each row with its own scale), one line for the whole case.
+
+    ``mistakes_of(i)`` lists (hint, wrong row i) to name a typical mistake in the first bad row;
+    ``nonfinite`` is the hint for NaN or Inf in a row when no listed mistake explains them.
+    """
+    worst = 0.0
+    for i in range(truth.shape[0]):
+        ok, line = compare(got[i], truth[i], reference[i], what=f"{what}, row {i}", rtol_floor=rounding_floor(got.dtype))
+        if not ok:
+            hint = None
+            if mistakes_of is not None and "never written" not in line and "stub" not in line:
+                hint = diagnose(got[i], mistakes_of(i), tolerance(truth[i], reference[i], got.dtype))
+            if hint is None and "NaN or Inf" in line:
+                hint = nonfinite
+            if hint:
+                line += f": {hint}"
+            return False, line
+        worst = max(worst, float(np.max(np.abs(got[i].astype(np.float64) - truth[i]))) if truth[i].size else 0.0)
+    return True, f"{what}: all {got.size} elements match (max error {worst:.2g})"
+
+
+def rand(rng, shape, scales=(1.0, 3.0)):
+    """Normal values with mixed scales, never exactly zero."""
+    x = rng.standard_normal(shape) * rng.choice(scales, size=shape)
+    return np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x)
+
+
+def sizes(cpu: list, gpu_extra: list) -> list:
+    # The interpreter runs programs one after another in Python: small sizes on the CPU.
+    return cpu + (gpu_extra if world().gpu else [])
+
+
+def gelu64(x):
+    """The exact GELU, 0.5 x (1 + erf(x / sqrt 2)), in float64."""
+    import torch
+
+    v = torch.from_numpy(np.array(x, dtype=np.float64))
+    return (0.5 * v * (1.0 + torch.special.erf(v / np.sqrt(2.0)))).numpy()
+
+
+# ---- 04.1 fused scale + GELU ---------------------------------------------------------------------
+
+
+@exercise("04.1", "fused scale + GELU", names=("scale_gelu_kernel",))
+@child_safe
+def grade_scale_gelu(report: Report, scale_gelu_kernel):
+    import torch
+    import torch.nn.functional as F
+
+    if (msg := not_a_kernel(scale_gelu_kernel, "scale_gelu_kernel")):
+        return report.fail(msg)
+    cases = sizes([(1000, 256, "fp32"), (1, 128, "fp32"), (4099, 1024, "fp32"), (1000, 256, "fp16")],
+                  [((1 << 20) + 3, 1024, "fp32"), ((1 << 20) + 3, 1024, "fp16")])
+    for n, block, dtype in cases:
+        for seed in (0, 1):
+            rng = np.random.default_rng(7919 * n + seed)
+            scale = float(rng.uniform(0.5, 2.0))
+            x_full, x = framed(rand(rng, n), dtype, NAN)
+            y_full, y = framed(np.full(n, POISON), dtype, POISON)
+            grid = (-(-n // block),)
+            what = f"n={n} {dtype}, seed {seed} (grid {grid[0]} x BLOCK {block})"
+            if not launch(report, what, scale_gelu_kernel, grid, x, y, n, scale, BLOCK=block):
+                return
+            if outside_writes(POISON, y_full, data_mask(y_full.shape, n)):
+                return report.fail(f"{what}: wrote past the end of y (index >= n): mask the store with offs < n")
+            got, xs = host(y), exact(x)
+            if nothing_written(got):
+                return report.fail(f"{what}: {STUB}")
+            written = got != np.asarray(POISON, dtype=got.dtype)
+            if n > block and written[:block].all() and not written[block:].any():
+                return report.fail(f"{what}: only elements 0-{block - 1} were written: every program stored the same "
+                                   "block; the offsets are pid * BLOCK + tl.arange(0, BLOCK)")
+            truth = gelu64(xs * scale)
+            reference = host(F.gelu(x * scale))
+            passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+            if not passed and "never written" in line and not written[n - 1] and written[: n - 1].all():
+                line += ": the last element is missing; the mask is offs < n"
+            elif not passed and "never written" not in line:
+                tol = tolerance(truth, reference, got.dtype)
+                hint = diagnose(got, [
+                    ("that is gelu(x): multiply x by scale first", gelu64(xs)),
+                    ("that is the tanh approximation of GELU; use the exact form 0.5 x (1 + erf(x / sqrt(2)))",
+                     _gelu_tanh64(xs * scale)),
+                    ("that is x * scale without the GELU", xs * scale),
+                    ("that is scale * gelu(x): the scale goes inside the GELU", scale * gelu64(xs)),
+                ], tol)
+                if hint:
+                    line += f": {hint}"
+                elif np.isnan(got).any():
+                    line += ": NaN came from memory past the end of x; mask the load with offs < n"
+            if not report.expect(passed, line, line):
+                return
+
+
+def _gelu_tanh64(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+# ---- 04.2 a bias over a 2D tile, with strides ----------------------------------------------------
+
+
+@exercise("04.2", "2D tiles and strides: add a bias row", names=("add_bias_kernel",))
+@child_safe
+def grade_add_bias(report: Report, add_bias_kernel):
+    if (msg := not_a_kernel(add_bias_kernel, "add_bias_kernel")):
+        return report.fail(msg)
+    # (rows, cols, BLOCK_M, BLOCK_N, dtype): rows != cols, neither a multiple of its block
+    cases = sizes([(1, 1, 16, 16, "fp32"), (37, 53, 16, 32, "fp32"), (20, 130, 8, 64, "fp16"),
+                   (70, 9, 32, 16, "fp32")],
+                  [(1000, 1003, 32, 64, "fp32"), (1000, 1003, 64, 128, "fp16")])
+    for rows, cols, bm, bn, dtype in cases:
+        rng = np.random.default_rng(rows * 131 + cols)
+        pad_x, pad_y = 5, 3  # the two row strides differ from cols, and from each other
+        x_full, x = framed(rand(rng, (rows, cols)), dtype, NAN, pad_rows=bm, pad_cols=pad_x + bn)
+        b_full, b = framed(rand(rng, cols), dtype, NAN)
+        y_full, y = framed(np.full((rows, cols), POISON), dtype, POISON, pad_rows=bm, pad_cols=pad_y + bn)
+        sx, sy = x.stride(0), y.stride(0)
+        grid = (-(-rows // bm), -(-cols // bn))
+        what = f"{rows}x{cols} {dtype}, grid {grid}, BLOCK_M={bm}, BLOCK_N={bn}"
+        if not launch(report, what, add_bias_kernel, grid, x, b, y, rows, cols, sx, sy, BLOCK_M=bm, BLOCK_N=bn):
+            return
+        if outside_writes(POISON, y_full, data_mask(y_full.shape, rows, cols)):
+            return report.fail(f"{what}: wrote outside y (a row >= n_rows or a column >= n_cols): the mask needs "
+                               "both, rows[:, None] < n_rows and cols[None, :] < n_cols; y's rows are stride_y apart")
+        got, xs, bs = host(y), exact(x), exact(b)
+        if nothing_written(got):
+            return report.fail(f"{what}: {STUB}")
+        truth = xs + bs[None, :]
+        reference = host(x + b[None, :])
+        passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+        if not passed and "never written" in line:
+            line += (": tl.program_id(0) runs over blocks of rows, tl.program_id(1) over blocks of columns; "
+                     "each program covers BLOCK_M rows and BLOCK_N columns")
+        elif not passed:
+            tol = tolerance(truth, reference, got.dtype)
+            hxf = exact(x_full).ravel()
+            strided = hxf[np.arange(rows)[:, None] * cols + np.arange(cols)[None, :]] + bs[None, :]
+            mistakes = [("rows of x are stride_x elements apart, not n_cols: x is a view into a wider tensor",
+                         strided)]
+            if rows <= cols:
+                mistakes.append(("the bias has one value per column: load it at the column offsets and broadcast "
+                                 "it over the rows, b[None, :]", xs + bs[:rows, None]))
+            hint = diagnose(got, mistakes, tol)
+            if hint:
+                line += f": {hint}"
+            elif np.isnan(got).any():
+                line += (": NaN came from memory outside x or b: use stride_x for x, and load b at the column "
+                         "offsets with the column mask")
+        if not report.expect(passed, line, line):
+            return
+
+
+# ---- 04.3 row log-softmax ------------------------------------------------------------------------
+
+
+def _softmax_rows(rng, rows, cols):
+    """Rows of very different scales and offsets, one of them all negative: exp() overflows unless
+    the max is subtracted, and zero padding shows in the all-negative row."""
+    scales = [1.0, 30.0, 1000.0]
+    offsets = [0.0, 500.0, -500.0]
+    x = np.empty((rows, cols))
+    for i in range(rows):
+        x[i] = rand(rng, cols) * scales[i % 3] + offsets[(i // 3) % 3]
+    x[-1] = -np.abs(x[-1]) - 2.0  # all negative
+    return x
+
+
+def log_softmax64(x):
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+@exercise("04.3", "row log-softmax", names=("log_softmax_kernel",))
+@child_safe
+def grade_log_softmax(report: Report, log_softmax_kernel):
+    import torch
+    import triton
+
+    if (msg := not_a_kernel(log_softmax_kernel, "log_softmax_kernel")):
+        return report.fail(msg)
+    cases = sizes([(1, 1, "fp32"), (7, 37, "fp32"), (4, 1000, "fp32"), (7, 37, "fp16")],
+                  [(64, 4099, "fp32"), (64, 4099, "fp16")])
+    for rows, cols, dtype in cases:
+        rng = np.random.default_rng(rows * 1009 + cols)
+        block = triton.next_power_of_2(cols)
+        data = _softmax_rows(rng, rows, cols)
+        if dtype == "fp16":
+            data = np.clip(data, -6e4, 6e4)
+        # a finite frame: a read past the row (or with the wrong stride) gives a wrong value we can name
+        x_full, x = framed(data, dtype, PAD, pad_rows=1, pad_cols=5 + block)
+        y_full, y = framed(np.full((rows, cols), POISON), dtype, POISON, pad_rows=1, pad_cols=3 + block)
+        what = f"{rows}x{cols} {dtype} (BLOCK {block})"
+        if not launch(report, what, log_softmax_kernel, (rows,), x, y, cols, x.stride(0), y.stride(0), BLOCK=block):
+            return
+        if outside_writes(POISON, y_full, data_mask(y_full.shape, rows, cols)):
+            return report.fail(f"{what}: wrote outside y (a column >= n_cols, or the wrong row): mask the store with "
+                               "cols < n_cols and start row i at y_ptr + i * stride_y")
+        got, xs = host(y), exact(x)
+        if nothing_written(got):
+            return report.fail(f"{what}: {STUB}")
+        truth = log_softmax64(xs)
+        reference = host(torch.log_softmax(x, dim=-1))
+        hxf = exact(x_full).ravel()
+
+        def mistakes(i):
+            row = xs[i]
+            m = row.max()
+            padded = np.concatenate([row, np.zeros(block - cols)])
+            unmasked = np.concatenate([row, np.full(block - cols, PAD)])
+            with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+                return [
+                    ("mask the load (cols < n_cols, other=-float('inf')): the row's last block reads past its end",
+                     log_softmax64(unmasked[None, :])[0, :cols]),
+                    ("that is softmax; log-softmax is (x - max) - log(sum(exp(x - max)))",
+                     np.exp(row - m) / np.exp(row - m).sum()),
+                    ("subtract the max from x as well: (x - max) - log(sum(exp(x - max)))",
+                     row - np.log(np.exp(row - m).sum())),
+                    ("padded columns must not count: load with other=-float('inf'), so that they neither win the "
+                     "max nor add to the sum",
+                     row - padded.max() - np.log(np.exp(padded - padded.max()).sum())),
+                    ("rows of x are stride_x elements apart, not n_cols",
+                     log_softmax64(hxf[i * cols: i * cols + cols][None, :])[0] if hxf.size >= (i + 1) * cols
+                     else np.full(cols, np.inf)),
+                ]
+
+        passed, line = compare_rows(got, truth, reference, what, mistakes, nonfinite=(
+            "exp() overflows for large inputs (above 88 in float32): subtract the row max before tl.exp; and mask "
+            "the load, so that NaN from past the row cannot get in"))
+        if not report.expect(passed, line, line):
+            return
+
+
+# ---- 04.4 RMSNorm --------------------------------------------------------------------------------
+
+
+def rms_norm64(x, w, eps):
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
+
+
+@exercise("04.4", "RMSNorm row kernel", names=("rms_norm_kernel",))
+@child_safe
+def grade_rms_norm(report: Report, rms_norm_kernel):
+    import torch
+    import triton
+
+    if (msg := not_a_kernel(rms_norm_kernel, "rms_norm_kernel")):
+        return report.fail(msg)
+    eps = 1e-5
+    cases = sizes([(1, 1, "fp32"), (6, 100, "fp32"), (3, 1000, "fp32"), (6, 100, "fp16")],
+                  [(64, 4099, "fp32"), (64, 4099, "fp16")])
+    for rows, cols, dtype in cases:
+        rng = np.random.default_rng(rows * 7 + cols)
+        block = triton.next_power_of_2(cols)
+        data = rand(rng, (rows, cols))
+        data[0] *= 2e-3  # tiny values: eps matters here
+        if rows > 2:
+            data[2] *= 300.0  # x * x overflows float16 (above 65504): statistics belong in float32
+        x_full, x = framed(data, dtype, PAD, pad_rows=1, pad_cols=5 + block)
+        w_full, w = framed(rng.uniform(0.5, 2.0, cols) * rng.choice([-1.0, 1.0], cols), dtype, NAN)
+        y_full, y = framed(np.full((rows, cols), POISON), dtype, POISON, pad_rows=1, pad_cols=3 + block)
+        what = f"{rows}x{cols} {dtype} (BLOCK {block})"
+        if not launch(report, what, rms_norm_kernel, (rows,), x, w, y, cols, x.stride(0), y.stride(0), eps,
+                      BLOCK=block):
+            return
+        if outside_writes(POISON, y_full, data_mask(y_full.shape, rows, cols)):
+            return report.fail(f"{what}: wrote outside y (a column >= n_cols, or the wrong row): mask the store with "
+                               "cols < n_cols and start row i at y_ptr + i * stride_y")
+        got, xs, ws = host(y), exact(x), exact(w)
+        if nothing_written(got):
+            return report.fail(f"{what}: {STUB}")
+        truth = rms_norm64(xs, ws, eps)
+        xr = x.float() if dtype == "fp16" else x
+        reference = host((xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype))
+
+        def mistakes(i):
+            row = xs[i]
+            ms = (row * row).mean()
+            past = (block - cols) * PAD * PAD  # what an unmasked load adds to the sum of squares
+            return [
+                ("mask the load (cols < n_cols, other=0.0): the row's block reads past its end",
+                 row / np.sqrt(((row * row).sum() + past) / cols + eps) * ws),
+                ("divide the sum of squares by n_cols, not BLOCK: padding is not part of the row",
+                 row / np.sqrt((row * row).sum() / block + eps) * ws),
+                ("add eps inside the square root: rsqrt(mean(x * x) + eps)", row / np.sqrt(ms) * ws),
+                ("eps goes inside the square root, not after it", row / (np.sqrt(ms) + eps) * ws),
+                ("multiply by the weight w", row / np.sqrt(ms + eps)),
+                *([("x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32))",
+                    np.zeros_like(row))] if dtype == "fp16" and np.abs(row).max() > 256 else []),
+                ("that is LayerNorm; RMSNorm does not subtract the mean",
+                 (row - row.mean()) / np.sqrt(((row - row.mean()) ** 2).mean() + eps) * ws),
+            ]
+
+        passed, line = compare_rows(got, truth, reference, what, mistakes, nonfinite=(
+            "x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32)); and mask "
+            "the load, so that NaN from past the row cannot get in"))
+        if not report.expect(passed, line, line):
+            return

@@ -1,0 +1,227 @@
+"""Graders for chapter 05, the tiled matmul (Triton's interpreter on the CPU, compiled on a GPU).
+
+The kernel graders work like chapter 04's (see ``ch04``): they launch the learner's kernel on inputs
+framed by NaN and outputs framed by poison, and compare with a float64 truth. The tolerance knows the
+device: on a GPU, ``tl.dot`` on float32 inputs uses TF32 (10 bits of mantissa, not 23) unless told
+``input_precision="ieee"``, so there the reference is a float64 matmul of the inputs cut to TF32; in
+the interpreter ``tl.dot`` is exact float32, and so is the reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..world import world
+from . import POISON, Report, compare, exercise, guarded
+from .ch04 import (NAN, PAD, STUB, child_safe, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
+                   nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance)
+
+# ---- 05.1 which program computes a tile ------------------------------------------------------
+
+
+def _row_major(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
+    return pid_m * num_pid_n + pid_n
+
+
+def _full_groups_only(pid_m, pid_n, num_pid_m, num_pid_n, group_m):  # every group assumed group_m rows tall
+    group, row = divmod(pid_m, group_m)
+    return group * group_m * num_pid_n + pid_n * group_m + row
+
+
+@exercise("05.1", "which program computes a tile", names=("grouped_program",), time_limit_s=20)
+def grade_grouped_program(report: Report, grouped_program):
+    from ..kernels import grouped_tile
+
+    # (num_pid_m, num_pid_n, group_m): square, a short last group, group taller than the grid, one row
+    cases = [(4, 4, 2), (5, 3, 2), (7, 5, 3), (8, 8, 8), (3, 9, 4), (1, 6, 8), (6, 1, 4), (10, 7, 4)]
+    mistakes = [(_row_major, "that is row-major order: in grouped order, programs walk down a group of group_m "
+                             "tile rows, one column after another, before moving to the next group"),
+                (_full_groups_only, "the last group can be shorter: it has min(num_pid_m - first_pid_m, group_m) "
+                                    "rows, and its programs step through them in that many")]
+    for num_pid_m, num_pid_n, group_m in cases:
+        what = f"a {num_pid_m} x {num_pid_n} grid of tiles, group_m={group_m}"
+        tiles = [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
+        got = {}
+        for m, n in tiles:
+            call = f"grouped_program({m}, {n}, {num_pid_m}, {num_pid_n}, {group_m})"
+            before = report.failures
+            pid = guarded(report, call, grouped_program, m, n, num_pid_m, num_pid_n, group_m)
+            if report.failures > before:
+                return
+            if pid is None:
+                return report.fail(f"{call} returned None: did you forget `return`?")
+            if not isinstance(pid, (int, np.integer)):
+                return report.fail(f"{call} returned {pid!r}: a program id is an int")
+            got[(m, n)] = int(pid)
+        wrong = next(((t, p) for t, p in got.items()
+                      if not 0 <= p < len(tiles) or grouped_tile(p, num_pid_m, num_pid_n, group_m) != t), None)
+        if wrong is None:
+            report.ok(f"{what}: every tile maps to the program that computes it")
+            continue
+        (m, n), pid = wrong
+        want = next(p for p in range(len(tiles)) if grouped_tile(p, num_pid_m, num_pid_n, group_m) == (m, n))
+        hint = next((h for fn, h in mistakes
+                     if all(got[t] == fn(*t, num_pid_m, num_pid_n, group_m) for t in tiles)), None)
+        if hint is None:
+            hint = ("program ids run from 0 to num_pid_m * num_pid_n - 1" if not 0 <= pid < len(tiles) else
+                    "the groups before this one hold first_pid_m * num_pid_n programs; within its group, the "
+                    "tile is program pid_n * (rows in this group) + (pid_m - first_pid_m)")
+        return report.fail(f"{what}: tile ({m}, {n}) is computed by program {want}, you said {pid}: {hint}")
+
+
+# ---- matmul references -------------------------------------------------------------------------
+
+
+def tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values cut to TF32: the low 13 of the 23 mantissa bits set to zero."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+    return bits.view(np.float32)
+
+
+def matmul_reference(a, b) -> np.ndarray:
+    """What a matmul at the inputs' precision gives on this device, in float64 (the tolerance's base)."""
+    import torch
+
+    if world().gpu and a.dtype == torch.float32:
+        return tf32(host(a)).astype(np.float64) @ tf32(host(b)).astype(np.float64)
+    return host(a @ b).astype(np.float64)
+
+
+def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed):
+    """A (M, K) and B (K, N) inside frames wide enough for a whole block past every edge.
+
+    Past K the frame is NaN: a K step that reads there without a mask brings NaN into C. Past M and N
+    it is finite: reading there only changes rows and columns of C that the masked store drops.
+    """
+    import torch
+
+    def place(data, k_axis, pad):
+        full, view = framed(data, dtype, PAD, pad_rows=pad[0], pad_cols=pad[1])
+        if k_axis == 1:
+            full[:, data.shape[1]:] = float("nan")
+        else:
+            full[data.shape[0]:, :] = float("nan")
+        return view
+
+    a = place(rand(rng, (M, K)), 1, (bm, bk + 3))
+    if b_transposed:  # B is the transpose of a row-major (N, K) tensor: stride_bk = 1
+        b = place(rand(rng, (N, K)), 1, (bn, bk + 3)).t()
+    else:
+        b = place(rand(rng, (K, N)), 0, (bk, bn + 3))
+    return a, b
+
+
+def _k_mistakes(A, B, K, bk):
+    """Typical K-loop mistakes, as float64 results."""
+    kf = (K // bk) * bk
+    steps = -(-K // bk)
+    first = sum(A[:, :min(bk, K - s * bk)] @ B[:min(bk, K - s * bk), :] for s in range(steps))
+    last = A[:, (steps - 1) * bk:] @ B[(steps - 1) * bk:, :]
+    out = [("the last, partial K step is missing: loop over tl.cdiv(K, BLOCK_K) steps, and mask it", A[:, :kf] @ B[:kf, :])]
+    if steps > 1:
+        out += [("every step multiplied the first K block again: advance a_ptrs by BLOCK_K * stride_ak and b_ptrs "
+                 "by BLOCK_K * stride_bk after each step", first),
+                ("only the last step's product is left: add each step to the accumulator, acc = tl.dot(a, b, acc)",
+                 last)]
+    return out
+
+
+# ---- 05.2 the K loop ---------------------------------------------------------------------------
+
+
+@exercise("05.2", "matmul: the K loop with masks", names=("matmul_kernel",))
+@child_safe
+def grade_matmul(report: Report, matmul_kernel):
+    if (msg := not_a_kernel(matmul_kernel, "matmul_kernel")):
+        return report.fail(msg)
+    # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, dtype, B transposed): K is rarely a multiple of BLOCK_K
+    cases = sizes([(16, 16, 16, 16, 16, 16, "fp32", False), (37, 53, 45, 16, 32, 16, "fp16", False),
+                   (64, 70, 100, 32, 32, 32, "fp32", True), (20, 33, 130, 16, 16, 64, "fp16", False)],
+                  [(1000, 1003, 517, 64, 64, 32, "fp16", False), (257, 300, 200, 32, 64, 32, "fp32", True)])
+    for M, N, K, bm, bn, bk, dtype, bt in cases:
+        rng = np.random.default_rng(M * 7 + N * 11 + K)
+        a, b = _operands(rng, M, N, K, bm, bn, bk, dtype, bt)
+        c_full, c = framed(np.full((M, N), POISON), dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
+        grid = (-(-M // bm), -(-N // bn))
+        what = (f"({M}x{K}) @ ({K}x{N}) {dtype}{', B transposed' if bt else ''}, "
+                f"BLOCK_M/N/K = {bm}/{bn}/{bk}")
+        if not launch(report, what, matmul_kernel, grid, a, b, c, M, N, K, a.stride(0), a.stride(1),
+                      b.stride(0), b.stride(1), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk):
+            return
+        if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
+            return report.fail(f"{what}: wrote outside C: mask the store with offs_m[:, None] < M and "
+                               "offs_n[None, :] < N, and use stride_cm and stride_cn for C")
+        got, A, B = host(c), exact(a), exact(b)
+        if nothing_written(got):
+            return report.fail(f"{what}: {STUB}")
+        truth = A @ B
+        reference = matmul_reference(a, b)
+        passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+        if not passed and "never written" not in line and "stub" not in line:
+            hint = diagnose(got, _k_mistakes(A, B, K, bk), tolerance(truth, reference, got.dtype))
+            if hint is None and np.isnan(got.astype(np.float64)).any():
+                hint = (("the last K step reads past K (NaN is what lies past the data here): mask the loads with "
+                         "offs_k < K - k * BLOCK_K and other=0.0") if K % bk else
+                        "NaN came from memory outside A or B: check the strides and the masks of the loads")
+            if hint is None:
+                hint = ("check the strides: rows of A are stride_am apart and rows of B stride_bk apart (here "
+                        "neither is K or N: the tensors are views, and B is sometimes transposed); advance by "
+                        "BLOCK_K * stride_ak and BLOCK_K * stride_bk")
+            if hint:
+                line += f": {hint}"
+        if not report.expect(passed, line, line):
+            return
+
+
+# ---- 05.3 a fused epilogue: bias + leaky ReLU --------------------------------------------------
+
+
+def leaky64(x):
+    return np.where(x >= 0, x, 0.01 * x)
+
+
+@exercise("05.3", "a fused epilogue: bias + leaky ReLU", names=("linear_leaky_relu_kernel",))
+@child_safe
+def grade_epilogue(report: Report, linear_leaky_relu_kernel):
+    import torch
+    import torch.nn.functional as F
+
+    if (msg := not_a_kernel(linear_leaky_relu_kernel, "linear_leaky_relu_kernel")):
+        return report.fail(msg)
+    cases = sizes([(37, 53, 45, 16, 32, 16, "fp32"), (20, 70, 50, 16, 32, 16, "fp16"), (64, 40, 32, 32, 16, 32, "fp32")],
+                  [(1000, 1003, 517, 64, 64, 32, "fp16"), (257, 300, 200, 32, 64, 32, "fp32")])
+    for M, N, K, bm, bn, bk, dtype in cases:
+        rng = np.random.default_rng(M * 5 + N * 3 + K)
+        a, w = _operands(rng, M, N, K, bm, bn, bk, dtype, False)
+        bias_full, bias = framed(rand(rng, N) * 3.0, dtype, NAN)
+        c_full, c = framed(np.full((M, N), POISON), dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
+        grid = (-(-M // bm), -(-N // bn))
+        what = f"({M}x{K}) @ ({K}x{N}) + bias, {dtype}, BLOCK_M/N/K = {bm}/{bn}/{bk}"
+        if not launch(report, what, linear_leaky_relu_kernel, grid, a, w, bias, c, M, N, K, a.stride(0), a.stride(1),
+                      w.stride(0), w.stride(1), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk):
+            return
+        if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
+            return report.fail(f"{what}: wrote outside C: keep the masked store the exercise gives")
+        got, A, W, bs = host(c), exact(a), exact(w), exact(bias)
+        mm = A @ W
+        truth = leaky64(mm + bs[None, :])
+        ref_mm = torch.from_numpy(matmul_reference(a, w)).to(a.dtype).to(a.device)
+        reference = host(F.leaky_relu(ref_mm + bias[None, :], 0.01)).astype(np.float64)
+        passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+        if not passed and "never written" not in line:
+            mistakes = [("that is a @ w alone: add the bias and apply leaky ReLU to acc before the store", mm),
+                        ("that is a @ w + bias: now apply leaky ReLU, x if x >= 0 else 0.01 x", mm + bs[None, :]),
+                        ("leaky ReLU keeps 0.01 x for negative x, not 0", np.maximum(mm + bs[None, :], 0.0)),
+                        ("add the bias before the activation", leaky64(mm) + bs[None, :]),
+                        ("leaky ReLU without the bias: load the bias (one value per column) and add it",
+                         leaky64(mm))]
+            if M <= N:
+                mistakes.append(("the bias has one value per column: load it at offs_n and broadcast it over the "
+                                 "rows, bias[None, :]", leaky64(mm + bs[:M, None])))
+            hint = diagnose(got, mistakes, tolerance(truth, reference, got.dtype))
+            if hint is None and np.isnan(got.astype(np.float64)).any():
+                hint = ("NaN came from past the end of the bias: it has N values, one per column; load it at offs_n "
+                        "with the mask offs_n < N")
+            if hint:
+                line += f": {hint}"
+        if not report.expect(passed, line, line):
+            return

@@ -1,0 +1,250 @@
+"""The course's Triton kernels in their final form, with their launchers (chapters 04 and 05).
+
+The lessons build each kernel step by step, inline; this module keeps the finished versions in one
+place so that later chapters and the tests import them instead of copying them:
+
+- chapter 04: ``add`` (vector add), ``softmax`` (row softmax, one row per program),
+  ``residual_layer_norm`` (residual add + LayerNorm, optionally + GELU, in one pass);
+- chapter 05: ``matmul`` (tiled, grouped program order, K tail masks, an activation fused into the
+  epilogue), the matmul that chapter 06's FlashAttention builds on.
+
+Import it after ``kc.setup()``: Triton reads the interpreter switch when a kernel is defined. On a GPU
+the launchers let ``triton.autotune`` pick ``num_warps`` (and, for the matmul, tile sizes and
+``num_stages``) the first time each shape is seen; on the CPU they use fixed choices, because the
+interpreter has nothing to time.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .world import world
+
+__all__ = ["add", "softmax", "residual_layer_norm", "matmul", "grouped_tile", "softmax_num_warps",
+           "add_kernel", "softmax_kernel", "residual_layer_norm_kernel", "matmul_kernel", "MATMUL_CONFIGS"]
+
+# ---- chapter 04 --------------------------------------------------------------------------------
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n  # the last program's block runs past n
+    x = tl.load(x_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x + y, mask=mask)
+
+
+def add(x: torch.Tensor, y: torch.Tensor, BLOCK: int = 1024) -> torch.Tensor:
+    """``x + y`` for contiguous tensors of one shape (chapter 04)."""
+    assert x.shape == y.shape and x.is_contiguous() and y.is_contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    add_kernel[(triton.cdiv(n, BLOCK),)](x, y, out, n, BLOCK=BLOCK)
+    return out
+
+
+@triton.jit
+def softmax_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2^31 on large inputs
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    # Padding is -inf: it never wins the max, and exp(-inf) = 0 adds nothing to the sum.
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    x = x - tl.max(x, axis=0)  # the largest exponent is exp(0) = 1: no overflow
+    num = tl.exp(x)
+    y = num * (1.0 / tl.sum(num, axis=0))
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def softmax_num_warps(BLOCK: int) -> int:
+    """A fixed choice of warps for a row of BLOCK elements: about 16 elements per thread."""
+    return max(1, min(16, BLOCK // 512))
+
+
+def _elements_per_thread_between(lo: int, hi: int):
+    """An autotune pruner: keep the configs that give each thread lo..hi elements of the row."""
+    def prune(configs, named_args, **kwargs):
+        block = kwargs["BLOCK"] if "BLOCK" in kwargs else named_args["BLOCK"]
+        kept = [c for c in configs if lo <= block // (32 * c.num_warps) <= hi]
+        return kept or configs[:1]
+    return prune
+
+
+_ROW_WARPS = [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16)]
+_softmax_tuned = None
+_layer_norm_tuned = None
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of a 2D tensor whose rows are contiguous (chapter 04)."""
+    global _softmax_tuned
+    assert x.ndim == 2 and x.stride(1) == 1
+    n_rows, n_cols = x.shape
+    y = torch.empty_like(x)
+    BLOCK = triton.next_power_of_2(n_cols)
+    args = (x, y, n_cols, x.stride(0), y.stride(0))
+    if world().gpu:
+        if _softmax_tuned is None:
+            _softmax_tuned = triton.autotune(_ROW_WARPS, key=["BLOCK"],
+                                             prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)}
+                                             )(softmax_kernel)
+        _softmax_tuned[(n_rows,)](*args, BLOCK=BLOCK)
+    else:
+        softmax_kernel[(n_rows,)](*args, BLOCK=BLOCK, num_warps=softmax_num_warps(BLOCK))
+    return y
+
+
+@triton.jit
+def residual_layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_cols, stride, eps,
+                               BLOCK: tl.constexpr, ACTIVATION: tl.constexpr, STORE_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    h = x + r                                       # the residual stream, in fp32
+    if STORE_H:
+        tl.store(h_ptr + row * stride + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+    mean = tl.sum(h, axis=0) / n_cols               # padding is 0: it adds nothing to the sum
+    d = tl.where(mask, h - mean, 0.0)               # ... but 0 - mean would add to the variance
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = d * rstd * w + b
+    if ACTIVATION == "gelu":
+        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+    tl.store(y_ptr + row * stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def residual_layer_norm(x, r, weight, bias, eps: float = 1e-5, activation: str = "", return_residual: bool = False):
+    """``act(layer_norm(x + r))`` over the last dimension in one pass (chapter 04).
+
+    ``activation`` is "" or "gelu" (the exact, erf form). With ``return_residual`` it returns
+    ``(y, x + r)``: a transformer block needs the residual stream again later.
+    """
+    global _layer_norm_tuned
+    assert x.shape == r.shape and x.ndim == 2 and weight.shape == bias.shape == x.shape[-1:]
+    x, r = x.contiguous(), r.contiguous()
+    n_rows, n_cols = x.shape
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if return_residual else y
+    BLOCK = triton.next_power_of_2(n_cols)
+    args = (x, r, weight, bias, y, h, n_cols, x.stride(0), eps)
+    meta = dict(BLOCK=BLOCK, ACTIVATION=activation, STORE_H=return_residual)
+    if world().gpu:
+        if _layer_norm_tuned is None:
+            _layer_norm_tuned = triton.autotune(_ROW_WARPS, key=["BLOCK", "ACTIVATION", "STORE_H"],
+                                                prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 32)}
+                                                )(residual_layer_norm_kernel)
+        _layer_norm_tuned[(n_rows,)](*args, **meta)
+    else:
+        residual_layer_norm_kernel[(n_rows,)](*args, **meta, num_warps=softmax_num_warps(BLOCK))
+    return (y, h) if return_residual else y
+
+
+# ---- chapter 05 --------------------------------------------------------------------------------
+
+
+def grouped_tile(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int, int]:
+    """The output tile (pid_m, pid_n) that program ``pid`` computes in grouped order (chapter 05).
+
+    Programs walk down a group of ``group_m`` tile rows, column by column, then move to the next
+    group: consecutive programs share tiles of A and B, which then come from L2 instead of HBM. The
+    same arithmetic as in ``matmul_kernel``, in plain Python.
+    """
+    in_group = group_m * num_pid_n
+    first_m = (pid // in_group) * group_m
+    rows = min(num_pid_m - first_m, group_m)  # the last group can be shorter
+    return first_m + (pid % in_group) % rows, (pid % in_group) // rows
+
+
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, ACTIVATION: tl.constexpr):
+    # program id -> output tile, in groups of GROUP_M tile rows (see grouped_tile)
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % rows
+    pid_n = (pid % in_group) // rows
+
+    # Rows of A and columns of B past M and N wrap around (% M, % N) to valid ones: their results
+    # land only in rows and columns of C that the masked store drops, and the loads need no mask.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak   # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn   # (BLOCK_K, BLOCK_N)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K  # the last step may have fewer than BLOCK_K columns left: mask them
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # the epilogue: the accumulator is still in fp32 registers, so an activation costs no traffic
+    if ACTIVATION == "gelu":
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+    elif ACTIVATION == "relu":
+        acc = tl.maximum(acc, 0.0)
+    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+def _mm_config(bm, bn, bk, stages, warps, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_stages=stages, num_warps=warps)
+
+
+# Candidates for the autotuner: large tiles for large GPUs (H100: 228 KB of shared memory per SM),
+# smaller ones for small GPUs and small problems. A config that does not fit (too much shared
+# memory, on a T4 say) fails to compile and the autotuner skips it.
+MATMUL_CONFIGS = [
+    _mm_config(128, 256, 64, 3, 8),
+    _mm_config(128, 256, 64, 4, 8),
+    _mm_config(256, 128, 64, 3, 8),
+    _mm_config(128, 128, 64, 4, 8),
+    _mm_config(128, 128, 64, 4, 4),
+    _mm_config(64, 256, 32, 4, 4),
+    _mm_config(128, 64, 32, 4, 4),
+    _mm_config(64, 64, 32, 4, 4),
+]
+_matmul_tuned = None
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, activation: str = "", config: dict | None = None) -> torch.Tensor:
+    """``act(a @ b)`` for 2D ``a`` (M, K) and ``b`` (K, N) of one dtype (chapter 05).
+
+    ``activation`` is "", "relu" or "gelu". On a GPU the tile sizes are autotuned per (M, N, K) unless
+    ``config`` gives them (keys BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); on the
+    CPU the default is 32 x 32 x 32 tiles.
+    """
+    global _matmul_tuned
+    assert a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] and a.dtype == b.dtype
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    if config is None and world().gpu:
+        if _matmul_tuned is None:
+            _matmul_tuned = triton.autotune(MATMUL_CONFIGS, key=["M", "N", "K"])(matmul_kernel)
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        _matmul_tuned[grid](*args, ACTIVATION=activation)
+        return c
+    cfg = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8) | (config or {})
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    matmul_kernel[grid](*args, ACTIVATION=activation, **cfg)
+    return c

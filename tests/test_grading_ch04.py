@@ -1,0 +1,414 @@
+"""Chapter 04's graders: typical wrong kernels are rejected with a message that teaches, and
+different but correct kernels are accepted. Kernels run in Triton's interpreter on the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import kernelcourse as kc
+from kernelcourse import kernels
+from tests.helpers import grade
+
+# ---- the reference kernels of kc.kernels -------------------------------------------------------
+
+
+def test_reference_kernels_match_pytorch():
+    torch.manual_seed(0)
+    with torch.device(kc.world().device):  # factory calls below make tensors where kernels run
+        _check_reference_kernels()
+
+
+def _check_reference_kernels():
+    x, y = torch.randn(4099), torch.randn(4099)
+    torch.testing.assert_close(kernels.add(x, y), x + y, rtol=0, atol=0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        x = (torch.randn(7, 1000) * 100).to(dtype)
+        torch.testing.assert_close(kernels.softmax(x).float(), torch.softmax(x.float(), -1), rtol=tol, atol=tol)
+        x, r = torch.randn(5, 777, dtype=dtype), torch.randn(5, 777, dtype=dtype)
+        w, b = torch.randn(777, dtype=dtype), torch.randn(777, dtype=dtype)
+        y, h = kernels.residual_layer_norm(x, r, w, b, activation="gelu", return_residual=True)
+        want = F.gelu(F.layer_norm(x.float() + r.float(), (777,), w.float(), b.float()))
+        torch.testing.assert_close(y.float(), want, rtol=4 * tol, atol=4 * tol)
+        torch.testing.assert_close(h.float(), x.float() + r.float(), rtol=tol, atol=tol)
+
+# ---- 04.1 fused scale + GELU -------------------------------------------------------------------
+
+
+@triton.jit
+def gelu_ok(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
+
+
+@triton.jit
+def gelu_ok_sigmoid_free(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):  # other= given, math spelled differently
+    pid = tl.program_id(axis=0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
+    z = x.to(tl.float32) * scale
+    cdf = (tl.erf(z / 1.4142135623730951) + 1.0) / 2.0
+    tl.store(y_ptr + offs, (z * cdf).to(y_ptr.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def gelu_no_store_mask(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)))
+
+
+@triton.jit
+def gelu_off_by_one(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n - 1
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
+
+
+@triton.jit
+def gelu_no_pid(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
+
+
+@triton.jit
+def gelu_no_scale(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
+
+
+@triton.jit
+def gelu_tanh(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * scale
+    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    tanh = 2 * tl.sigmoid(2 * inner) - 1
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tanh), mask=mask)
+
+
+@triton.jit
+def gelu_fp16_math(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
+
+
+def gelu_plain_python(x_ptr, y_ptr, n, scale, BLOCK):
+    pass
+
+
+@pytest.mark.parametrize("kernel", [gelu_ok, gelu_ok_sigmoid_free])
+def test_04_1_accepts_correct(kernel):
+    passed, text = grade("04.1", scale_gelu_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (gelu_no_store_mask, "mask the store with offs < n"),
+    (gelu_off_by_one, "the mask is offs < n"),
+    (gelu_no_pid, "pid * BLOCK + tl.arange(0, BLOCK)"),
+    (gelu_no_scale, "multiply x by scale first"),
+    (gelu_tanh, "tanh approximation"),
+    # Compiled for a GPU, this version stays within the fp16 tolerance; only the interpreter tells it apart.
+    pytest.param(gelu_fp16_math, "x.to(tl.float32)",
+                 marks=pytest.mark.skipif(kc.world().gpu, reason="fp16 math only in the interpreter")),
+    (gelu_plain_python, "@triton.jit"),
+])
+def test_04_1_rejects_wrong(kernel, hint):
+    passed, text = grade("04.1", scale_gelu_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+# ---- 04.2 2D tiles: add a bias row -------------------------------------------------------------
+
+
+@triton.jit
+def bias_ok(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols, mask=cols < n_cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@triton.jit
+def bias_ok_2d_bias(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # the bias loaded as a 2D block
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    inside = (r < n_rows) & (c < n_cols)
+    b = tl.load(b_ptr + c + 0 * r, mask=inside)
+    tl.store(y_ptr + r * stride_y + c, tl.load(x_ptr + r * stride_x + c, mask=inside) + b, mask=inside)
+
+
+@triton.jit
+def bias_ncols_stride(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols, mask=cols < n_cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@triton.jit
+def bias_col_mask_only(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] >= 0) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols, mask=cols < n_cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@triton.jit
+def bias_per_row(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + rows, mask=rows < n_rows)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[:, None], mask=mask)
+
+
+@triton.jit
+def bias_swapped_pids(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols, mask=cols < n_cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@pytest.mark.parametrize("kernel", [bias_ok, bias_ok_2d_bias])
+def test_04_2_accepts_correct(kernel):
+    passed, text = grade("04.2", add_bias_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (bias_ncols_stride, "stride_x elements apart"),
+    (bias_col_mask_only, "the mask needs both"),
+    (bias_per_row, "one value per column"),
+    (bias_swapped_pids, "tl.program_id(0) runs over blocks of rows"),
+])
+def test_04_2_rejects_wrong(kernel, hint):
+    passed, text = grade("04.2", add_bias_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+# ---- 04.3 row log-softmax ----------------------------------------------------------------------
+
+
+@triton.jit
+def lsm_ok(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    z = x - tl.max(x, axis=0)
+    y = z - tl.log(tl.sum(tl.exp(z), axis=0))
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
+@triton.jit
+def lsm_ok_exp2(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):  # base-2 exp and log, where
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.exp2((x - m) * 1.4426950408889634), axis=0)
+    y = tl.where(cols < n_cols, x - m - tl.log2(s) * 0.6931471805599453, 0.0)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def lsm_no_max(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    y = x - tl.log(tl.sum(tl.exp(x), axis=0))
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
+@triton.jit
+def lsm_zero_padding(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    z = x - tl.max(x, axis=0)
+    y = z - tl.log(tl.sum(tl.exp(z), axis=0))
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
+@triton.jit
+def lsm_softmax(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(y_ptr + row * stride_y + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def lsm_forgets_max(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    y = x - tl.log(tl.sum(tl.exp(x - tl.max(x, axis=0)), axis=0))
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
+@triton.jit
+def lsm_ncols_stride(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    z = x - tl.max(x, axis=0)
+    tl.store(y_ptr + row * stride_y + cols, z - tl.log(tl.sum(tl.exp(z), axis=0)), mask=mask)
+
+
+@triton.jit
+def lsm_no_store_mask(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+    z = x - tl.max(x, axis=0)
+    tl.store(y_ptr + row * stride_y + cols, z - tl.log(tl.sum(tl.exp(z), axis=0)))
+
+
+@pytest.mark.parametrize("kernel", [lsm_ok, lsm_ok_exp2])
+def test_04_3_accepts_correct(kernel):
+    passed, text = grade("04.3", log_softmax_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (lsm_no_max, "subtract the row max"),
+    (lsm_zero_padding, "other=-float('inf')"),
+    (lsm_softmax, "that is softmax"),
+    (lsm_forgets_max, "subtract the max from x as well"),
+    (lsm_ncols_stride, "stride_x elements apart"),
+    (lsm_no_store_mask, "mask the store"),
+])
+def test_04_3_rejects_wrong(kernel, hint):
+    passed, text = grade("04.3", log_softmax_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+# ---- 04.4 RMSNorm ------------------------------------------------------------------------------
+
+
+@triton.jit
+def rms_ok(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
+
+
+@triton.jit
+def rms_ok_rsqrt(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=0) / n_cols
+    y = (x * tl.rsqrt(ms + eps)) * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def rms_block_mean(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / BLOCK + eps)
+    tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
+
+
+@triton.jit
+def rms_no_eps(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols)
+    tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
+
+
+@triton.jit
+def rms_no_weight(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(y_ptr + row * stride_y + cols, x * rstd, mask=mask)
+
+
+@triton.jit
+def rms_fp16_stats(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    ms = tl.sum(x * x, axis=0) / n_cols
+    tl.store(y_ptr + row * stride_y + cols, x / tl.sqrt(ms.to(tl.float32) + eps) * w, mask=mask)
+
+
+@triton.jit
+def rms_no_load_mask(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
+
+
+@pytest.mark.parametrize("kernel", [rms_ok, rms_ok_rsqrt])
+def test_04_4_accepts_correct(kernel):
+    passed, text = grade("04.4", rms_norm_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (rms_block_mean, "not BLOCK"),
+    (rms_no_eps, "add eps inside the square root"),
+    (rms_no_weight, "multiply by the weight"),
+    (rms_fp16_stats, "statistics in float32"),
+    (rms_no_load_mask, "mask the load"),
+])
+def test_04_4_rejects_wrong(kernel, hint):
+    passed, text = grade("04.4", rms_norm_kernel=kernel)
+    assert not passed
+    assert hint in text, text

@@ -1,0 +1,317 @@
+"""Chapter 05's graders: typical wrong answers are rejected with a message that teaches, and
+different but correct answers are accepted. Kernels run in Triton's interpreter on the CPU."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import kernelcourse as kc
+from kernelcourse import kernels
+from kernelcourse.grading import ch05
+from tests.helpers import grade
+
+# ---- the reference matmul of kc.kernels --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
+def test_reference_matmul(dtype, tol):
+    torch.manual_seed(0)
+    if kc.world().gpu and dtype == torch.float32:
+        tol = 2e-2  # tl.dot rounds float32 inputs to TF32 (10 mantissa bits) on a GPU
+    dev = kc.world().device
+    a, b = torch.randn(100, 70, dtype=dtype, device=dev), torch.randn(70, 45, dtype=dtype, device=dev)
+    want = (a.double() @ b.double())
+    torch.testing.assert_close(kernels.matmul(a, b).double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(kernels.matmul(a, b, activation="gelu").double(), F.gelu(want), rtol=tol, atol=tol)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, GROUP_M=2)  # B transposed, other tiles, a short last group
+    torch.testing.assert_close(kernels.matmul(a, b.t().contiguous().t(), config=cfg).double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("num_pid_m, num_pid_n, group_m", [(5, 3, 2), (8, 8, 8), (3, 9, 4), (1, 6, 8)])
+def test_grouped_tile_is_a_permutation(num_pid_m, num_pid_n, group_m):
+    tiles = [kernels.grouped_tile(p, num_pid_m, num_pid_n, group_m) for p in range(num_pid_m * num_pid_n)]
+    assert sorted(tiles) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
+
+
+def test_tf32_keeps_ten_mantissa_bits():
+    x = np.array([1 + 2**-10, 1 + 2**-11, -3.0 - 2**-9 - 2**-12], dtype=np.float32)
+    assert ch05.tf32(x).tolist() == [1 + 2**-10, 1.0, -3.0 - 2**-9]
+
+# ---- 05.1 which program computes a tile --------------------------------------------------------
+
+
+def program_ok(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
+    first = pid_m // group_m * group_m
+    rows = min(num_pid_m - first, group_m)
+    return first * num_pid_n + pid_n * rows + pid_m - first
+
+
+def program_ok_search(pid_m, pid_n, num_pid_m, num_pid_n, group_m):  # by brute force: also right
+    return next(p for p in range(num_pid_m * num_pid_n)
+                if kernels.grouped_tile(p, num_pid_m, num_pid_n, group_m) == (pid_m, pid_n))
+
+
+@pytest.mark.parametrize("fn", [program_ok, program_ok_search])
+def test_05_1_accepts_correct(fn):
+    passed, text = grade("05.1", grouped_program=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (ch05._row_major, "row-major order"),
+    (ch05._full_groups_only, "the last group can be shorter"),
+    (lambda m, n, nm, nn, g: n * min(nm - m // g * g, g) + m % g, "the groups before this one"),
+    (lambda m, n, nm, nn, g: m + n, "you said"),
+    (lambda m, n, nm, nn, g: None, "forget `return`"),
+    (lambda m, n, nm, nn, g: (m, n), "is an int"),
+])
+def test_05_1_rejects_wrong(fn, hint):
+    passed, text = grade("05.1", grouped_program=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 05.2 the K loop with masks ----------------------------------------------------------------
+
+
+@triton.jit
+def mm_ok(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def mm_ok_k_offsets(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                    stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # recomputes the pointers from k0 each step instead of advancing them; += on the accumulator
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak, mask=rk[None, :] < K, other=0.0)
+        b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=rk[:, None] < K, other=0.0)
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def mm_no_k_mask(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_n[None, :] < N, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def mm_floor_steps(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_n[None, :] < N, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def mm_no_advance(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def mm_overwrites_acc(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                      stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def mm_no_store_mask(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                     stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc)
+
+
+@triton.jit
+def mm_assumes_row_major_b(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                           stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * N
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@pytest.mark.parametrize("kernel", [mm_ok, mm_ok_k_offsets])
+def test_05_2_accepts_correct(kernel):
+    passed, text = grade("05.2", matmul_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (mm_no_k_mask, "mask the loads with offs_k < K - k * BLOCK_K"),
+    (mm_floor_steps, "loop over tl.cdiv(K, BLOCK_K) steps"),
+    (mm_no_advance, "advance a_ptrs by BLOCK_K * stride_ak"),
+    (mm_overwrites_acc, "add each step to the accumulator"),
+    (mm_no_store_mask, "mask the store"),
+    (mm_assumes_row_major_b, "check the strides"),
+])
+def test_05_2_rejects_wrong(kernel, hint):
+    passed, text = grade("05.2", matmul_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+# ---- 05.3 fused epilogue: bias + leaky ReLU ----------------------------------------------------
+
+
+@triton.jit
+def linear_epilogues(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_wk, stride_wn,
+                     stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EPILOGUE: tl.constexpr):
+    """The exercise's kernel, with its epilogue picked by EPILOGUE (right ones and typical wrong ones)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + (offs_n % N)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if EPILOGUE == "ok":
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        acc = tl.where(acc >= 0, acc, 0.01 * acc)
+    elif EPILOGUE == "ok_max":  # leaky ReLU as max(x, 0.01 x), the bias loaded without other=
+        x = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N)[None, :]
+        acc = tl.maximum(x, 0.01 * x)
+    elif EPILOGUE == "relu":
+        acc = tl.maximum(acc + tl.load(bias_ptr + offs_n, mask=offs_n < N)[None, :], 0.0)
+    elif EPILOGUE == "act_then_bias":
+        acc = tl.where(acc >= 0, acc, 0.01 * acc) + tl.load(bias_ptr + offs_n, mask=offs_n < N)[None, :]
+    elif EPILOGUE == "bias_per_row":
+        acc += tl.load(bias_ptr + offs_m, mask=offs_m < M)[:, None]
+        acc = tl.where(acc >= 0, acc, 0.01 * acc)
+    elif EPILOGUE == "no_bias":
+        acc = tl.where(acc >= 0, acc, 0.01 * acc)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+class WithEpilogue:
+    """linear_epilogues with one EPILOGUE, launched as the exercise's kernel is: kernel[grid](...)."""
+
+    def __init__(self, epilogue):
+        self.epilogue, self.fn = epilogue, linear_epilogues.fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: linear_epilogues[grid](*args, EPILOGUE=self.epilogue, **meta)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("launch it as kernel[grid](...)")
+
+
+@pytest.mark.parametrize("epilogue", ["ok", "ok_max"])
+def test_05_3_accepts_correct(epilogue):
+    passed, text = grade("05.3", linear_leaky_relu_kernel=WithEpilogue(epilogue))
+    assert passed, text
+
+
+@pytest.mark.parametrize("epilogue, hint", [
+    ("none", "that is a @ w alone"),
+    ("relu", "not 0"),
+    ("act_then_bias", "add the bias before the activation"),
+    ("bias_per_row", "one value per column"),
+    ("no_bias", "load the bias"),
+])
+def test_05_3_rejects_wrong(epilogue, hint):
+    passed, text = grade("05.3", linear_leaky_relu_kernel=WithEpilogue(epilogue))
+    assert not passed
+    assert hint in text, text
