@@ -1,0 +1,385 @@
+"""Attention: the references, the online-softmax helpers and the FlashAttention forward kernel
+(introduced in chapter 06).
+
+Everything takes and returns tensors shaped ``(B, H, N, d)`` (batch, heads, sequence, head dim):
+queries ``q`` of shape ``(B, H, N_Q, d)``, keys and values ``k``, ``v`` of shape ``(B, H, N_K, d)``,
+with ``N_Q`` and ``N_K`` free to differ.
+
+- ``attention_ref``: the spec, ``softmax(q kᵀ · sm_scale) v`` in plain PyTorch, computed in float32
+  (float64 stays float64), with the log-sum-exp of each row if asked for;
+- ``softmax_state``, ``online_softmax_merge``, ``online_softmax``: the online softmax, as partial
+  states ``(m, l, acc)`` (running max, running sum of exponentials, unnormalised output) that merge;
+- ``tiled_attention_ref``: attention tile by tile in plain PyTorch with the online softmax, the
+  algorithm of the kernel, without ever holding more than a tile of scores;
+- ``flash_attention``: the Triton forward kernel, returning the output and the log-sum-exp that a
+  backward pass needs.
+
+**Causal masks are top-left aligned**, as in ``torch.nn.functional.scaled_dot_product_attention(...,
+is_causal=True)``: query ``i`` sees keys ``j <= i``, counting both from the start of their sequences.
+With ``N_Q > N_K`` the queries past ``N_K`` see every key; with ``N_Q < N_K`` the keys past ``N_Q`` are
+never seen. Every row sees at least key 0, so no row of the softmax is empty. (Bottom-right alignment,
+``j <= i + N_K - N_Q``, is what decoding with a KV cache wants; it is not what SDPA's flag does.)
+
+The log-sum-exp ``lse[b, h, i] = log Σ_j exp(s_ij)`` of the scaled scores ``s = q kᵀ · sm_scale`` is
+in natural-log units, float32, shape ``(B, H, N_Q)``: ``softmax(s)_ij = exp(s_ij - lse_i)``.
+
+Import this module after ``kc.setup()``: Triton reads the interpreter switch when a kernel is defined.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .world import world
+
+__all__ = ["attention_ref", "causal_mask", "softmax_state", "online_softmax_merge", "online_softmax",
+           "tiled_attention_ref", "flash_attention", "flash_attention_kernel", "attention_flops",
+           "tuned_config", "FWD_CONFIGS", "LOG2E"]
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+LN2 = 0.6931471805599453    # ln(2): log(x) = log2(x) * ln(2)
+
+
+# ---- the spec ----------------------------------------------------------------------------------
+
+
+def causal_mask(n_q: int, n_k: int, device=None) -> torch.Tensor:
+    """(n_q, n_k) booleans, True where query i may see key j: j <= i (top-left aligned, as SDPA)."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+
+
+def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+
+
+def attention_ref(q, k, v, causal: bool = False, sm_scale: float | None = None, return_lse: bool = False,
+                  compute_dtype: torch.dtype | None = None):
+    """``softmax(q kᵀ · sm_scale) v``, the plain PyTorch spec; ``sm_scale`` defaults to ``1/√d``.
+
+    Computes in ``compute_dtype``: float32 by default (float64 inputs stay float64), or the inputs' own
+    dtype to get what a naive half-precision implementation gives. Returns the output in ``q.dtype``,
+    and with ``return_lse`` also the float32 log-sum-exp of each row, ``(B, H, N_Q)``.
+    """
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc, vc = (t.to(compute_dtype) for t in (q, k, v))
+    s = (qc @ kc.transpose(-2, -1)) * _scale(q, sm_scale)         # (B, H, N_Q, N_K)
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    lse = torch.logsumexp(s.float() if compute_dtype == torch.float16 else s, dim=-1)
+    o = (torch.softmax(s, dim=-1) @ vc).to(q.dtype)
+    return (o, lse.float() if lse.dtype != torch.float64 else lse) if return_lse else o
+
+
+def attention_flops(B: int, H: int, n_q: int, n_k: int, d: int, causal: bool = False) -> float:
+    """FLOPs of an attention forward: two matmuls of 2·N_Q·N_K·d each per head; half with a causal
+    mask (the convention of FlashAttention's and Triton's benchmarks, exact for N_Q = N_K → ∞)."""
+    flops = 4.0 * B * H * n_q * n_k * d
+    return flops / 2 if causal else flops
+
+
+# ---- the online softmax ------------------------------------------------------------------------
+
+
+def softmax_state(scores: torch.Tensor, v: torch.Tensor | None = None):
+    """The partial state ``(m, l, acc)`` of one block of scores ``(..., n)``.
+
+    ``m`` is the max over the block, ``l = Σ exp(scores - m)``, ``acc = exp(scores - m) @ v`` (None
+    without ``v``). A row whose scores are all ``-inf`` (masked) gives the empty state
+    ``(-inf, 0, 0)``.
+    """
+    m = scores.amax(dim=-1)
+    p = torch.exp(scores - _finite(m)[..., None])
+    return m, p.sum(dim=-1), (p @ v if v is not None else None)
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """m with -inf (an empty state) replaced by 0, so that exp(x - m) never computes -inf - (-inf)."""
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def online_softmax_merge(a, b):
+    """Merge two partial states ``(m, l, acc)`` of disjoint blocks of the same rows into one.
+
+    Each state was computed against its own max; both are rescaled to the larger one,
+    ``m = max(m_a, m_b)``, by factors ``exp(m_a - m) <= 1`` and ``exp(m_b - m) <= 1``. The merge is
+    associative and commutative, so blocks can be processed in any order and grouping. ``acc`` may be
+    None in both. The output of attention is ``acc / l`` and its log-sum-exp ``m + log(l)``.
+    """
+    m_a, l_a, acc_a = a
+    m_b, l_b, acc_b = b
+    m = torch.maximum(m_a, m_b)
+    alpha = torch.exp(m_a - _finite(m))  # exp(-inf) = 0: an empty state contributes nothing
+    beta = torch.exp(m_b - _finite(m))
+    l = alpha * l_a + beta * l_b
+    acc = None if acc_a is None else alpha[..., None] * acc_a + beta[..., None] * acc_b
+    return m, l, acc
+
+
+def online_softmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Softmax over the last dimension, reading ``x`` in blocks of ``block`` columns: one pass for
+    the max and the sum (merging block states), one to normalise."""
+    state = None
+    for start in range(0, x.shape[-1], block):
+        s = softmax_state(x[..., start:start + block])
+        state = s if state is None else online_softmax_merge(state, s)
+    m, l, _ = state
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+# ---- tiled attention in plain PyTorch ------------------------------------------------------------
+
+
+def tiled_attention_ref(q, k, v, causal: bool = False, sm_scale: float | None = None,
+                        block_m: int = 64, block_n: int = 64):
+    """Attention tile by tile, with the online softmax: what the Triton kernel does, in PyTorch.
+
+    For each tile of ``block_m`` queries, loop over tiles of ``block_n`` keys, keeping the running
+    ``(m, l, acc)`` of every query row; with ``causal``, tiles entirely above the diagonal are skipped.
+    No tensor larger than ``(B, H, block_m, block_n)`` of scores is ever made. Computes in float32
+    (float64 stays float64); returns ``(o, lse)`` like ``flash_attention``.
+    """
+    B, H, n_q, d = q.shape
+    n_k = k.shape[-2]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc, vc = (t.to(ct) for t in (q, k, v))
+    scale = _scale(q, sm_scale)
+    o = torch.empty(B, H, n_q, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, n_q, dtype=ct, device=q.device)
+    for m0 in range(0, n_q, block_m):
+        q_tile = qc[:, :, m0:m0 + block_m]                               # (B, H, bm, d)
+        rows = torch.arange(m0, m0 + q_tile.shape[2], device=q.device)
+        m_i = torch.full(q_tile.shape[:3], float("-inf"), dtype=ct, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros_like(q_tile)
+        # causal: keys past the tile's last query are masked for every row, so their tiles are skipped
+        n_end = min(n_k, m0 + q_tile.shape[2]) if causal else n_k
+        for n0 in range(0, n_end, block_n):
+            s = (q_tile @ kc[:, :, n0:n0 + block_n].transpose(-2, -1)) * scale   # (B, H, bm, bn)
+            if causal:
+                cols = torch.arange(n0, n0 + s.shape[-1], device=q.device)
+                s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+            m_new = torch.maximum(m_i, s.amax(dim=-1))
+            alpha = torch.exp(m_i - m_new)                  # rescales what was summed against m_i
+            p = torch.exp(s - m_new[..., None])
+            l_i = alpha * l_i + p.sum(dim=-1)
+            acc = alpha[..., None] * acc + p @ vc[:, :, n0:n0 + block_n]
+            m_i = m_new
+        o[:, :, m0:m0 + block_m] = (acc / l_i[..., None]).to(q.dtype)
+        lse[:, :, m0:m0 + block_m] = m_i + torch.log(l_i)
+    return o, lse if ct == torch.float64 else lse.float()
+
+
+# ---- the Triton kernel ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, qk_scale, offs_m, offs_n, lo, hi, N_K,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """The inner loop: fold the key tiles lo, lo + BLOCK_N, ... < hi into the running (acc, l_i, m_i).
+
+    Scores are kept in base-2 units: s2 = q·k · sm_scale · log2(e), so exp(s) = exp2(s2) and the
+    scale costs one multiply-add per score. MASKED tiles (the last, partial one; the causal diagonal)
+    set the scores of keys past N_K, or after the query, to -inf; the others need no mask at all.
+    """
+    k_ptrs += lo * stride_kn
+    v_ptrs += lo * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if MASKED:
+            keys = start_n + offs_n                                        # (BLOCK_N,)
+            k = tl.load(k_ptrs, mask=keys[:, None] < N_K, other=0.0)       # (BLOCK_N, HEAD_DIM)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k))                                        # (BLOCK_M, BLOCK_N), fp32
+        if MASKED:
+            keep = keys[None, :] < N_K
+            if CAUSAL:
+                keep = keep & (keys[None, :] <= offs_m[:, None])           # top-left: key j <= query i
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            qk -= m_ij[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]
+        # Every row has seen key 0 by its first tile, so m_ij is finite and -inf - m_ij is -inf: p = 0.
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_ij)                                   # rescales the old sums
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=keys[:, None] < N_K, other=0.0)       # 0, not garbage: 0 * NaN is NaN
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_ij
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+# H, N_Q and N_K vary from call to call: compiling a variant for each (Triton specializes integer
+# arguments by whether they are 1 or multiples of 16) would only cost compile time; nothing in the
+# unmasked loop depends on them.
+@triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
+def flash_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
+                           stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                           stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
+                           H, N_Q, N_K,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CAUSAL: tl.constexpr):
+    # program (query tile, batch·head); causal tiles near the end have the most keys: start them first
+    start_m = tl.program_id(0)
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - start_m
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)  # int64: off_z * stride_qz can pass 2^31 on long sequences
+    off_h = (off_hz % H).to(tl.int64)
+    q_ptr += off_z * stride_qz + off_h * stride_qh
+    k_ptr += off_z * stride_kz + off_h * stride_kh
+    v_ptr += off_z * stride_vz + off_h * stride_vh
+    o_ptr += off_z * stride_oz + off_h * stride_oh
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N_Q, other=0.0)
+    k_ptrs = k_ptr + offs_n[:, None] * stride_kn + offs_d[None, :]         # (BLOCK_N, HEAD_DIM)
+    v_ptrs = v_ptr + offs_n[:, None] * stride_vn + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)              # running max, base 2
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                            # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                  # running p @ v
+
+    # Keys [0, n_full) need no mask; [n_full, n_end) do; [n_end, N_K) are never loaded.
+    n_whole = (N_K // BLOCK_N) * BLOCK_N           # tiles that lie entirely before N_K
+    if CAUSAL:
+        q0 = start_m * BLOCK_M
+        n_end = tl.minimum(q0 + BLOCK_M, N_K)                  # the tile's last query sees keys < q0 + BLOCK_M
+        n_full = tl.minimum((q0 + 1) // BLOCK_N * BLOCK_N, n_whole)  # tiles whose last key is <= q0
+    else:
+        n_end = N_K
+        n_full = n_whole
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, qk_scale, offs_m, offs_n,
+                                  0, n_full, N_K, BLOCK_N, False, CAUSAL)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, qk_scale, offs_m, offs_n,
+                                  n_full, n_end, N_K, BLOCK_N, True, CAUSAL)
+
+    # epilogue: normalise once, and keep log Σ exp(s) (natural log) for the backward pass
+    rows = offs_m < N_Q
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    tl.store(lse_ptr + off_hz * N_Q + offs_m, lse, mask=rows)
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rows[:, None])
+
+
+def _config(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+# The autotuner's candidates. Triton's fused-attention tutorial tunes 128-query tiles on an H100, with
+# 64- or 128-key tiles and 2 to 4 pipeline stages. Compiled for sm_90, a 128 x 64 tile with d = 64
+# fits in 4 warps (one warpgroup, ~255 registers a thread) or 8; with d = 128 it needs 8 warps, since
+# 4 spill registers to memory. The 64-query tiles are for GPUs with less shared memory (chosen by
+# _prune), and for short sequences. A config that does not fit a GPU fails to compile and is skipped.
+FWD_CONFIGS = [
+    _config(128, 64, 4, 3),
+    _config(128, 64, 4, 4),
+    _config(128, 64, 8, 3),
+    _config(128, 64, 8, 4),
+    _config(128, 64, 8, 2),
+    _config(128, 128, 8, 3),
+    _config(64, 64, 4, 3),
+    _config(64, 32, 4, 2),
+]
+# Which candidates a large GPU tries for each head dim (keys of the configs above): four compilations.
+_TRIED = {
+    64: {(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)},
+    128: {(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 3)},
+}
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+def _key(c: triton.Config) -> tuple:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
+def _smem_bytes(c: triton.Config, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory a config needs, roughly: the query tile plus num_stages K and V tiles."""
+    return itemsize * head_dim * (c.kwargs["BLOCK_M"] + 2 * c.num_stages * c.kwargs["BLOCK_N"])
+
+
+def _prune(configs, named_args, **kwargs):
+    """The candidates worth timing: on a large GPU, the few chosen for this head dim; on a smaller one
+    (or an unusual head dim), those whose tiles fit in its shared memory."""
+    d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    n_q = named_args.get("N_Q", kwargs.get("N_Q"))
+    props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+    smem = props.get("max_shared_mem", 0) or 1 << 30
+    tried = _TRIED.get(d if d > 64 else 64)
+    if smem >= 200 * 1024 and tried is not None:
+        kept = [c for c in configs if _key(c) in tried]
+    else:
+        kept = [c for c in configs if _smem_bytes(c, d) <= smem]
+    # a 128-row tile for a 40-query sequence computes mostly padding: prefer tiles that fit
+    short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(n_q, 64)]
+    return short or kept or configs[-1:]
+
+
+def tuned_config() -> str | None:
+    """The config the autotuner chose for the last GPU launch of ``flash_attention``, in words."""
+    c = getattr(_tuned, "best_config", None)
+    if c is None:
+        return None
+    return f"BLOCK_M={c.kwargs['BLOCK_M']}, BLOCK_N={c.kwargs['BLOCK_N']}, {c.num_warps} warps, {c.num_stages} stages"
+
+
+_tuned = None
+
+
+def _tuned_kernel():
+    global _tuned
+    if _tuned is None:
+        # The autotuner times each candidate for ~40 ms (not Triton's default 125): enough to rank them,
+        # and it runs again for every new (N_Q, N_K, HEAD_DIM, CAUSAL, dtype).
+        def bench(fn, quantiles):
+            return triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=quantiles)
+
+        tune = triton.autotune(FWD_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL"],
+                               prune_configs_by={"early_config_prune": _prune}, do_bench=bench)
+        _tuned = tune(flash_attention_kernel)
+    return _tuned
+
+
+def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None, config: dict | None = None):
+    """FlashAttention forward: ``(o, lse)`` for ``q`` (B, H, N_Q, d) and ``k``, ``v`` (B, H, N_K, d).
+
+    ``o`` has ``q``'s shape and dtype; ``lse`` is float32 (B, H, N_Q), natural log. ``d`` is a power of
+    two from 16 to 256. ``causal`` masks top-left (query i sees keys j <= i, as SDPA's ``is_causal``).
+    On a GPU the tile sizes are autotuned per (N_Q, N_K, d, causal, dtype) unless ``config`` gives them
+    (keys BLOCK_M, BLOCK_N, num_warps, num_stages); in the interpreter they default to 32 x 32.
+    """
+    assert q.ndim == k.ndim == v.ndim == 4, "q, k, v are (B, H, N, d)"
+    B, H, n_q, d = q.shape
+    n_k = k.shape[2]
+    assert k.shape == v.shape == (B, H, n_k, d), f"k and v must be (B, H, N_K, d) = {(B, H, n_k, d)}"
+    assert q.dtype == k.dtype == v.dtype, "q, k and v must share one dtype"
+    assert d in (16, 32, 64, 128, 256), f"head dim {d}: this kernel takes a power of two from 16 to 256"
+    assert n_k >= 1, "no keys to attend to"
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
+    qk_scale = _scale(q, sm_scale) * LOG2E
+    args = (q, k, v, o, lse, qk_scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, n_q, n_k)
+    if config is None and world().gpu:
+        grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
+        _tuned_kernel()[grid](*args, HEAD_DIM=d, CAUSAL=causal)
+    else:
+        cfg = {**INTERPRETER_CONFIG, **(config or {})}
+        grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
+        flash_attention_kernel[grid](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
+    return o, lse

@@ -1,0 +1,865 @@
+"""Graders for chapter 06, FlashAttention: the online softmax, tiled attention, and the kernel.
+
+The PyTorch exercises run on CPU tensors in any world; the Triton exercise launches the learner's
+kernel (in Triton's interpreter on the CPU, compiled on a GPU) on keys and values framed by NaN, so a
+load past ``N_K`` shows, and outputs framed by poison. Every input set includes scores of a thousand
+or more, where an ``exp`` without the running max overflows, a number of keys that is not a multiple
+of the tile, and several seeds. Results are compared with a float64 truth; when one is wrong, the
+grader recomputes the typical mistakes (no rescale, no tail mask, base e instead of base 2...) in
+float64 and names the one that matches.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import numpy as np
+
+from ..world import world
+from . import POISON, Report, compare, exercise, explain, guarded
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+NAN = float("nan")
+HALF_POISON = -32768.0  # the poison of float16 and bfloat16 outputs: exact in both, and no attention output
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _quiet(grade):
+    """Run a grader with PyTorch on one CPU thread and NumPy's floating-point warnings off.
+
+    On the CPU grading runs in a forked child, where PyTorch's inherited thread pool would hang the
+    first parallel operation; wrong answers overflow on purpose-made inputs, and the grader's line
+    says so.
+    """
+    @functools.wraps(grade)
+    def wrapper(report, **objects):
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return grade(report, **objects)
+        finally:
+            torch.set_num_threads(before)
+    return wrapper
+
+
+def _np(x) -> np.ndarray:
+    """A learner's result as a NumPy array (tensors of any device and dtype, arrays, numbers)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _check(report: Report, got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool, str]:
+    """compare() with a float32 floor of ``floor`` rounding steps of the largest value: an online
+    algorithm rounds at every rescale, so it may differ from PyTorch's direct computation by more
+    than PyTorch's own error, but by nothing like a mistake."""
+    got = _np(got)
+    if got.dtype == object or not np.issubdtype(got.dtype, np.number):
+        return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
+    if not np.issubdtype(got.dtype, np.floating):
+        got = got.astype(np.float64)
+    return compare(got, truth, reference, what=what, rtol_floor=floor * float(np.finfo(np.float32).eps))
+
+
+def _matches(got, wrong, truth) -> bool:
+    """Does ``got`` reproduce the mistake ``wrong``: the same NaN and Inf, and closer to ``wrong`` than
+    to the truth by a wide margin (a mistake that barely changes the result on this input is no match)."""
+    g = np.asarray(_np(got), dtype=np.float64)
+    w = np.asarray(wrong, dtype=np.float64)
+    t = np.asarray(truth, dtype=np.float64)
+    if g.shape != w.shape or not np.array_equal(np.isfinite(g), np.isfinite(w)):
+        return False
+    fin = np.isfinite(g)
+    if not fin.any():
+        return True
+    if t.shape != w.shape or not np.array_equal(np.isfinite(w), np.isfinite(t)):
+        return True  # the mistake makes NaN or Inf where the truth has none, and so did got
+    apart = float(np.max(np.abs(w[fin] - t[fin])))
+    scale = max(1e-30, float(np.max(np.abs(t[np.isfinite(t)])))) if np.isfinite(t).any() else 1.0
+    if apart <= 1e-5 * scale:
+        return False
+    return float(np.max(np.abs(g[fin] - w[fin]))) <= 0.25 * apart
+
+
+def _diagnose(got, mistakes, truth) -> str | None:
+    """The hint of the mistake (hint, float64 result) that ``got`` reproduces most closely."""
+    g = np.asarray(_np(got), dtype=np.float64)
+    best, best_distance = None, np.inf
+    for hint, wrong in mistakes:
+        if wrong is None or not _matches(got, wrong, truth):
+            continue
+        w = np.asarray(wrong, dtype=np.float64)
+        fin = np.isfinite(g) & np.isfinite(w)
+        distance = float(np.max(np.abs(g[fin] - w[fin]))) if fin.any() else 0.0
+        if distance < best_distance:
+            best, best_distance = hint, distance
+    return best
+
+
+def _fail(report: Report, line: str, hint: str | None) -> None:
+    report.fail(f"{line}: {hint}" if hint else line)
+
+
+def _pair(report: Report, what: str, got, n: int = 2):
+    """Unpack a learner's tuple result, or record why it cannot be."""
+    if got is None:
+        report.fail(f"{what} returned None: did you forget `return`?")
+        return None
+    if not isinstance(got, (tuple, list)) or len(got) != n:
+        report.fail(f"{what} returned {type(got).__name__}: return a tuple of {n} values")
+        return None
+    return got
+
+
+def attention64(q, k, v, scale, causal=False, keep=None, fill=-np.inf):
+    """Float64 attention of one head: q (R, d), k and v (N, d) -> (o (R, d), lse (R,)).
+
+    ``causal`` keeps key j for query i when j <= i (top-left); ``keep`` is any (R, N) boolean mask
+    instead, and ``fill`` what the masked scores become (a wrong answer may use 0). A row with no key
+    left gives NaN, as 0 / 0 does in a learner's code.
+    """
+    s = (q @ k.T) * scale
+    if causal:
+        keep = np.tril(np.ones(s.shape, dtype=bool))
+    if keep is not None:
+        s = np.where(keep, s, fill)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    return (p @ v) / l, (m + np.log(l))[:, 0]
+
+
+def tiled64(q, k, v, scale, block_n, bug=None):
+    """Tiled attention of one head in float64, the way a kernel does it, optionally with a typical
+    bug: "no_rescale_acc", "no_rescale_l", "no_rescale", "inverted_rescale", "tail_as_zero" (keys
+    past N padded with zeros and not masked), "no_normalise", "last_tile_missing". Returns (o, lse)."""
+    n, d = k.shape
+    rows = q.shape[0]
+    m = np.full(rows, -np.inf)
+    l = np.zeros(rows)
+    acc = np.zeros((rows, v.shape[1]))
+    if bug == "tail_as_zero" and n % block_n:
+        pad = block_n - n % block_n
+        k = np.concatenate([k, np.zeros((pad, d))])
+        v = np.concatenate([v, np.zeros((pad, v.shape[1]))])
+        n = k.shape[0]
+    stop = (n // block_n) * block_n if bug == "last_tile_missing" else n
+    for n0 in range(0, stop, block_n):
+        s = (q @ k[n0:n0 + block_n].T) * scale
+        m_new = np.maximum(m, s.max(axis=1))
+        alpha = np.exp(m - m_new)
+        if bug == "inverted_rescale":
+            alpha = np.where(np.isfinite(m), np.exp(m_new - m), 0.0)
+        p = np.exp(s - m_new[:, None])
+        a_l = 1.0 if bug in ("no_rescale_l", "no_rescale") else alpha
+        a_acc = 1.0 if bug in ("no_rescale_acc", "no_rescale") else alpha
+        l = a_l * l + p.sum(axis=1)
+        acc = (a_acc * acc.T).T + p @ v[n0:n0 + block_n]
+        m = m_new
+    o = acc if bug == "no_normalise" else acc / l[:, None]
+    return o, m + np.log(l)
+
+
+def _rand(rng, shape, scale=1.0):
+    x = rng.standard_normal(shape) * scale
+    return np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x)
+
+
+# ---- 06.1 combining split-KV partial results -----------------------------------------------------
+
+
+def _split_case(rng, rows, d, sizes, spread, empty_split=None):
+    """Rows of scores split into chunks of keys; each chunk's normalised output and log-sum-exp.
+
+    ``spread`` sets how far apart the chunks' scores sit (hundreds: exp(lse) overflows float32).
+    Chunk ``empty_split`` of row 0 has every key masked: its lse is -inf and its output 0.
+    """
+    n = sum(sizes)
+    offsets = np.repeat(rng.uniform(-spread, spread, size=(rows, len(sizes))), sizes, axis=1)
+    s = _rand(rng, (rows, n), 3.0) + offsets
+    if empty_split is not None:
+        lo = sum(sizes[:empty_split])
+        s[0, lo:lo + sizes[empty_split]] = -np.inf
+    v = _rand(rng, (n, d))
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp(s - m)
+    truth_o = (p @ v) / p.sum(axis=1, keepdims=True)
+    truth_lse = (m + np.log(p.sum(axis=1, keepdims=True)))[:, 0]
+    outs, lses, lo = [], [], 0
+    for size in sizes:
+        sc = s[:, lo:lo + size]
+        mc = sc.max(axis=1, keepdims=True)
+        fin = np.isfinite(mc)
+        pc = np.exp(sc - np.where(fin, mc, 0.0))
+        lc = pc.sum(axis=1, keepdims=True)
+        outs.append(np.where(fin, (pc @ v[lo:lo + size]) / np.where(lc > 0, lc, 1.0), 0.0))
+        lses.append(np.where(fin, mc + np.log(np.where(lc > 0, lc, 1.0)), -np.inf)[:, 0])
+        lo += size
+    return np.stack(outs), np.stack(lses), truth_o, truth_lse
+
+
+def _combine_mistakes(outs, lses):
+    """(hint, o, lse) of typical wrong ways to combine the splits, in float64."""
+    finite = np.where(np.isfinite(lses), lses, -np.inf)
+    m = finite.max(axis=0)
+    w = np.exp(finite - m)
+    good_lse = m + np.log(w.sum(axis=0))
+    with np.errstate(all="ignore"):  # in float32, as the learner's code runs: exp(lse) overflows past 88
+        raw = np.exp(lses.astype(np.float32))
+        naive_o = ((raw[..., None] * outs.astype(np.float32)).sum(axis=0) / raw.sum(axis=0)[:, None]).astype(np.float64)
+    return [
+        ("each split's output must be weighted by its share of the softmax's sum, exp(lse_s - lse): a plain "
+         "average treats every split alike", outs.mean(axis=0), None),
+        ("the weights exp(lse_s - max) are not yet shares: divide by their sum, Σ_s exp(lse_s - max)",
+         (w[..., None] * outs).sum(axis=0), None),
+        ("exp(lse_s) overflows (or underflows) float32 when the lse are in the hundreds: subtract the largest lse "
+         "first, exp(lse_s - max_s lse_s)", naive_o, np.log(raw.sum(axis=0)).astype(np.float64)),
+        ("the combined lse is log Σ_s exp(lse_s), not the largest lse", None, m),
+        ("the combined lse is log Σ_s exp(lse_s): the max goes back in, m + log Σ_s exp(lse_s - m)", None,
+         np.log(w.sum(axis=0))),
+        ("the combined lse is log Σ_s exp(lse_s), not a sum of logs", None, finite.sum(axis=0)),
+        ("the combined lse is log Σ_s exp(lse_s), computed with the max: m + log Σ exp(lse_s - m)",
+         None, m + w.sum(axis=0)),
+    ], good_lse
+
+
+@exercise("06.1", "combine split-KV partial results", names=("combine_splits",), time_limit_s=60)
+@_quiet
+def grade_combine(report: Report, combine_splits):
+    import torch
+
+    # (rows, d, chunk sizes, spread of the chunks' scores, a chunk of row 0 with every key masked)
+    cases = [(3, 4, (5, 7), 0.5, None), (4, 8, (16, 1, 9), 300.0, None), (5, 16, (32, 32, 32, 5), 800.0, None),
+             (3, 8, (10, 10, 10), 200.0, 1), (2, 4, (1,), 1.0, None)]
+    for i, (rows, d, sizes, spread, empty) in enumerate(cases):
+        for seed in (0, 1):
+            rng = np.random.default_rng(6100 + 10 * i + seed)
+            outs, lses, truth_o, truth_lse = _split_case(rng, rows, d, sizes, spread, empty)
+            o32, l32 = torch.tensor(outs, dtype=torch.float32), torch.tensor(lses, dtype=torch.float32)
+            largest = np.max(np.abs(lses[np.isfinite(lses)]))
+            what = f"{len(sizes)} split{'s' if len(sizes) > 1 else ''} of {rows} rows (lse up to {largest:.0f})"
+            if empty is not None:
+                what += ", one split empty (lse = -inf)"
+            what += f", seed {seed}"
+            before = report.failures
+            got = guarded(report, what, combine_splits, o32.clone(), l32.clone())
+            if report.failures > before:
+                return
+            got = _pair(report, f"combine_splits ({what})", got)
+            if got is None:
+                return
+            # PyTorch's own float32 way, for the tolerance: weights from softmax over the lse
+            wts = torch.softmax(l32, dim=0)
+            ref_o = _np((wts[..., None] * o32).sum(dim=0)).astype(np.float64)
+            ref_lse = _np(torch.logsumexp(l32, dim=0)).astype(np.float64)
+            mistakes, _ = _combine_mistakes(exact_f32(outs), exact_f32(lses))
+            ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}")
+            if not ok:
+                return _fail(report, line, _diagnose(got[1], [(h, l) for h, _, l in mistakes], truth_lse))
+            ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}")
+            if not ok:
+                hint = _diagnose(got[0], [(h, o) for h, o, _ in mistakes], truth_o)
+                if hint is None and "NaN or Inf" in line:
+                    hint = ("an empty split (lse = -inf) must get weight exp(-inf - m) = 0; if every exponent is "
+                            "huge, subtract the largest lse first")
+                return _fail(report, line, hint)
+            report.ok(f"{what}: output and lse match")
+
+
+def exact_f32(x):
+    """Values rounded to float32 and back: what the learner's function was given."""
+    return np.asarray(x, dtype=np.float32).astype(np.float64)
+
+
+# ---- 06.2 one-pass softmax statistics ------------------------------------------------------------
+
+
+class _Stream:
+    """The blocks of one row, as an iterator that can be walked once (like a row streaming past)."""
+
+    def __init__(self, blocks):
+        self._blocks = list(blocks)
+        self.walked = False
+
+    def __iter__(self):
+        if self.walked:
+            raise RuntimeError("the blocks can be read only once: compute m and l in a single pass")
+        self.walked = True
+        return iter(self._blocks)
+
+
+def _stream_rows(rng):
+    """(description, list of float32 blocks) of rows that make the usual mistakes show."""
+    rows = []
+    x = _rand(rng, 40)
+    rows.append(("40 values near 0, blocks of 8", [x[i:i + 8] for i in range(0, 40, 8)]))
+    x = np.sort(_rand(rng, 50, 3.0)) + np.linspace(0, 120, 50)
+    rows.append(("a row rising to ~120 (the max grows every block), blocks of 7",
+                 [x[i:i + 7] for i in range(0, 50, 7)]))
+    x = -np.sort(-_rand(rng, 45, 3.0)) + np.linspace(800, 780, 45)
+    rows.append(("a row falling from ~800, blocks of 10", [x[i:i + 10] for i in range(0, 45, 10)]))
+    x = _rand(rng, 64, 400.0)
+    sizes = [1, 13, 2, 31, 17]
+    rows.append(("values of ±1000, blocks of 1, 13, 2, 31, 17", np.split(x, np.cumsum(sizes)[:-1])))
+    x = -np.abs(_rand(rng, 30, 10.0)) - 1000.0
+    rows.append(("every value below -1000, blocks of 6", [x[i:i + 6] for i in range(0, 30, 6)]))
+    x = _rand(rng, 9)
+    rows.append(("one block of 9", [x]))
+    return rows
+
+
+def _stats_mistakes(blocks):
+    """(hint, m, l) of typical wrong one-pass algorithms, in float64."""
+    xs = [b.astype(np.float64) for b in blocks]
+    allx = np.concatenate(xs)
+    m_all = allx.max()
+    out = []
+    # no rescale: l += Σ exp(x - m_new), the old l left as it was
+    m, l_no, l_inv = -np.inf, 0.0, 0.0
+    for x in xs:
+        m_new = max(m, x.max())
+        l_no = l_no + np.exp(x - m_new).sum()
+        l_inv = (l_inv * np.exp(m_new - m) if np.isfinite(m) else 0.0) + np.exp(x - m_new).sum()
+        m = m_new
+    out.append(("when the max grows, what was summed against the old max is too large by exp(m_new - m_old): "
+                "rescale the running sum, l = l * exp(m_old - m_new) + Σ exp(x - m_new)", m_all, l_no))
+    out.append(("the rescale factor is exp(m_old - m_new), at most 1: the old terms shrink when the max grows",
+                m_all, l_inv))
+    out.append(("subtract the running max before exp: exp(x) overflows float32 above 88, and underflows to 0 "
+                 "below -103", m_all, np.exp(allx).sum()))
+    out.append(("l is the sum over the whole row, of exp(x - m) with the row's max m",
+                m_all, np.exp(xs[-1] - m_all).sum()))
+    first = xs[0].max()
+    out.append(("m is the max over every block, not the first block's", first, np.exp(allx - first).sum()))
+    out.append(("return (m, l) with l = Σ exp(x - m), not the log of it", m_all, np.log(np.exp(allx - m_all).sum())))
+    return out
+
+
+@exercise("06.2", "one-pass softmax statistics", names=("online_softmax_stats",), time_limit_s=60)
+@_quiet
+def grade_online_stats(report: Report, online_softmax_stats):
+    import torch
+
+    for seed in (0, 1, 2):
+        rng = np.random.default_rng(6200 + seed)
+        for what, blocks in _stream_rows(rng):
+            blocks = [np.asarray(b, dtype=np.float32) for b in blocks]
+            what = f"{what}, seed {seed}"
+            stream = _Stream([torch.from_numpy(b.copy()) for b in blocks])
+            before = report.failures
+            got = guarded(report, what, online_softmax_stats, stream)
+            if report.failures > before:
+                return
+            got = _pair(report, f"online_softmax_stats ({what})", got)
+            if got is None:
+                return
+            x64 = np.concatenate(blocks).astype(np.float64)
+            m_true = x64.max()
+            l_true = np.exp(x64 - m_true).sum()
+            x32 = torch.from_numpy(np.concatenate(blocks))
+            l_ref = float(torch.exp(x32 - x32.max()).sum())
+            try:
+                m_got, l_got = float(_np(got[0]).reshape(-1)[0]), float(_np(got[1]).reshape(-1)[0])
+            except (TypeError, ValueError, IndexError):
+                return report.fail(f"{what}: returned {got!r}: return two numbers (m, l)")
+            mistakes = _stats_mistakes(blocks)
+            hint = next((h for h, m, l in mistakes if math.isclose(m_got, m, rel_tol=1e-5, abs_tol=1e-5)
+                         and (math.isclose(l_got, l, rel_tol=1e-4) or (math.isinf(l) and math.isinf(l_got))
+                              or (l == 0 and l_got == 0))), None)
+            if not math.isclose(m_got, m_true, rel_tol=0, abs_tol=1e-4 * max(1.0, abs(m_true))):
+                return _fail(report, f"{what}: m = {m_got:.6g}, expected the row's max {m_true:.6g}",
+                             hint or "m is the largest value seen: m = max(m, block.max()) after each block")
+            tol = max(2 * abs(l_ref - l_true), 64 * 1.2e-7 * l_true)
+            if not (math.isfinite(l_got) and abs(l_got - l_true) <= tol):
+                return _fail(report, f"{what}: l = {l_got:.6g}, expected {l_true:.6g}",
+                             hint or "l = Σ exp(x - m) over the whole row, with the running sum rescaled "
+                                     "whenever m grows")
+            report.ok(f"{what}: m = {m_true:.6g}, l = {l_true:.6g}")
+
+
+# ---- 06.3 tiled attention in PyTorch -------------------------------------------------------------
+
+
+def _largest_made(fn, *args):
+    """Run fn(*args) and return (result, numel and shape of the largest tensor any op made)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel, self.shape = 0, ()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                    self.numel, self.shape = t.numel(), tuple(t.shape)
+            return out
+
+    with Largest() as mode:
+        result = fn(*args)
+    return result, mode.numel, mode.shape
+
+
+def _worst_of(truth_o, truth_lse, scores, v):
+    """PyTorch's float32 output and lse, from whichever of the given score tensors errs most."""
+    import torch
+
+    worst = None
+    for s in scores:
+        o = _np(torch.softmax(s, dim=-1) @ v).astype(np.float64)
+        lse = _np(torch.logsumexp(s, dim=-1)).astype(np.float64)
+        err = (np.max(np.abs(o - truth_o)), np.max(np.abs(lse - truth_lse)))
+        if worst is None:
+            worst = [o, lse, err]
+        else:
+            if err[0] > worst[2][0]:
+                worst[0] = o
+            if err[1] > worst[2][1]:
+                worst[1] = lse
+            worst[2] = (max(err[0], worst[2][0]), max(err[1], worst[2][1]))
+    return worst[0], worst[1]
+
+
+def _attention_inputs(rng, n_q, n_k, d, logit_scale):
+    """q, k, v in float64 (exactly float32 values) with scores around ±logit_scale."""
+    q = _rand(rng, (n_q, d)) * math.sqrt(logit_scale)
+    k = _rand(rng, (n_k, d)) * math.sqrt(logit_scale)
+    v = _rand(rng, (n_k, d))
+    return exact_f32(q), exact_f32(k), exact_f32(v)
+
+
+@exercise("06.3", "tiled attention in PyTorch", names=("tiled_attention",), time_limit_s=90)
+@_quiet
+def grade_tiled_attention(report: Report, tiled_attention):
+    import torch
+
+    # (N_Q, N_K, d, block_n, logit scale, causal): a tail tile, one tile, one query, scores of ±1000;
+    # then causal, with N_Q below, equal to and above N_K (row 0 sees key 0 alone)
+    cases = [(16, 64, 8, 16, 1.0, False), (20, 70, 16, 16, 1.0, False), (1, 37, 8, 8, 1.0, False),
+             (24, 100, 16, 32, 300.0, False), (33, 45, 32, 64, 1.0, False), (40, 129, 8, 32, 30.0, False),
+             (20, 70, 16, 16, 1.0, True), (48, 48, 8, 16, 1.0, True), (40, 29, 8, 16, 1.0, True),
+             (24, 100, 16, 32, 300.0, True)]
+    for i, (n_q, n_k, d, bn, ls, causal) in enumerate(cases):
+        for seed in (0, 1):
+            rng = np.random.default_rng(6300 + 10 * i + seed)
+            q, k, v = _attention_inputs(rng, n_q, n_k, d, ls)
+            scale = 1.0 / math.sqrt(d)
+            truth_o, truth_lse = attention64(q, k, v, scale, causal)
+            what = (f"N_Q={n_q}, N_K={n_k}, d={d}, block_n={bn}{', causal' if causal else ''}"
+                    f"{', large logits' if ls > 10 else ''}, seed {seed}")
+            tq, tk, tv = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v))
+            before = report.failures
+            got = guarded(report, what, _largest_made, tiled_attention, tq, tk, tv, bn, causal)
+            if report.failures > before:
+                return
+            got, numel, shape = got
+            got = _pair(report, f"tiled_attention ({what})", got)
+            if got is None:
+                return
+            # PyTorch's float32 error, for the tolerance: the worse of scaling the scores or the queries
+            keep = torch.ones(n_q, n_k, dtype=torch.bool).tril() if causal else torch.ones(n_q, n_k, dtype=torch.bool)
+            ref_o, ref_lse = _worst_of(truth_o, truth_lse, [((tq @ tk.T) * scale).masked_fill(~keep, -math.inf),
+                                                            ((tq * scale) @ tk.T).masked_fill(~keep, -math.inf)], tv)
+            bugs = [("when the max grows, rescale acc too: acc = acc * exp(m_old - m_new) + p @ v_tile",
+                     "no_rescale_acc"),
+                    ("when the max grows, rescale l too: l = l * exp(m_old - m_new) + p.sum(-1)", "no_rescale_l"),
+                    ("when the max grows, rescale l and acc by exp(m_old - m_new), computed before m is updated",
+                     "no_rescale"),
+                    ("the rescale factor is exp(m_old - m_new) <= 1, not exp(m_new - m_old)", "inverted_rescale"),
+                    ("the last tile of keys is partial (N_K is not a multiple of block_n): loop over "
+                     "range(0, N_K, block_n)", "last_tile_missing"),
+                    ("divide acc by l at the end: o = acc / l", "no_normalise")]
+            if causal:
+                rows, cols = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+                masks = [("query i sees key i too: mask the keys j > i, not j >= i (row 0 sees key 0 alone)",
+                          dict(keep=cols < rows)),
+                         ("the mask here is top-left, as SDPA's is_causal: query i sees keys j <= i, counted from the "
+                          "start of both sequences", dict(keep=cols <= rows + (n_k - n_q))),
+                         ("masked scores must be -inf, so that exp gives 0; a score of 0 still counts",
+                          dict(causal=True, fill=0.0)),
+                         ("with causal=True, query i sees only the keys j <= i: mask the others", dict())]
+                mistakes = [(h, attention64(q, k, v, scale, **kw)) for h, kw in masks]
+            else:
+                mistakes = [(h, tiled64(q, k, v, scale, bn, bug)) for h, bug in bugs]
+            ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
+            if not ok:
+                hint = _diagnose(got[0], [(h, o) for h, (o, _) in mistakes], truth_o)
+                if hint is None and "NaN or Inf" in line:
+                    hint = ("exp overflows float32 above 88: subtract the running max, p = exp(s - m_new[:, None]), "
+                            "and start m at -inf, not 0")
+                elif hint is None and _matches(got[0], attention64(q, k, v, 1.0)[0], truth_o):
+                    hint = "scale the scores by 1/sqrt(d) before the softmax"
+                return _fail(report, line, hint)
+            ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}", floor=256)
+            if not ok:
+                scores = q @ k.T * scale
+                m = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf).max(axis=1) if causal \
+                    else scores.max(axis=1)
+                lse_mistakes = [("lse = m + log(l), with the natural log", m + np.log2(np.exp(truth_lse - m))),
+                                ("lse = m + log(l): add the final running max back", truth_lse - m),
+                                ("lse = m + log(l), not m + l", m + np.exp(truth_lse - m)),
+                                ("lse = m + log(l), not the max alone", m)]
+                return _fail(report, line, _diagnose(got[1], lse_mistakes, truth_lse))
+            allowed = max(n_q * bn, n_q * d, n_k * d, n_k)
+            if n_q * n_k > allowed and numel >= n_q * n_k:
+                return report.fail(f"{what}: a tensor of shape {shape} was made: that is the whole score matrix "
+                                   f"(N_Q x N_K = {n_q} x {n_k}); work one tile of block_n keys at a time")
+            report.ok(f"{what}: output and lse match, largest tensor made {shape}")
+
+
+# ---- 06.4 the Triton inner loop ------------------------------------------------------------------
+
+
+def _not_a_kernel(obj, name: str) -> str | None:
+    if callable(obj) and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
+        return None
+    if callable(obj):
+        return (f"{name} is a plain Python function: decorate it with @triton.jit so it can be launched as "
+                f"{name}[grid](...)")
+    return f"{name} is not a kernel (got {type(obj).__name__}): define it with @triton.jit"
+
+
+def _launch(report: Report, what: str, kernel, grid, *args, **meta) -> bool:
+    try:
+        kernel[grid](*args, **meta)
+        if world().gpu:
+            import torch
+
+            torch.cuda.synchronize()
+        return True
+    except Exception as exc:
+        text = str(exc)
+        if "dot" in text and ("dtype" in text or "type" in text):
+            hint = f"{explain(exc)}: both operands of tl.dot need one dtype; cast p with p.to(v.dtype)"
+        else:
+            hint = explain(exc)
+        report.fail(f"{what}: {hint}")
+        return False
+
+
+def _framed_heads(data: np.ndarray, pad_rows: int, fill: float, dtype):
+    """(heads, rows, d) data on the device inside (heads, rows + pad_rows, d) filled with ``fill``."""
+    import torch
+
+    h, r, d = data.shape
+    full = torch.full((h, r + pad_rows, d), fill, dtype=dtype, device=world().device)
+    view = full[:, :r]
+    view.copy_(torch.from_numpy(data).to(dtype))
+    return full, view
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+@exercise("06.4", "the FlashAttention inner loop in Triton", names=("attention_fwd_kernel",), time_limit_s=180)
+@_quiet
+def grade_inner_loop(report: Report, attention_fwd_kernel):
+    import torch
+
+    if (msg := _not_a_kernel(attention_fwd_kernel, "attention_fwd_kernel")):
+        return report.fail(msg)
+    gpu = world().gpu
+    # (heads, N_Q, N_K, d, BLOCK_M, BLOCK_N, dtype, logit scale, seed)
+    cases = [(2, 20, 64, 16, 16, 16, "fp32", 1.0, 0),     # N_K a multiple of the tile
+             (2, 37, 50, 16, 16, 16, "fp32", 1.0, 1),     # a partial last tile
+             (1, 24, 64, 32, 16, 32, "fp32", 300.0, 2),   # scores of ±1000
+             (3, 45, 77, 32, 32, 32, "fp32", 30.0, 3),
+             (2, 33, 100, 64, 32, 32, "fp16", 1.0, 4),
+             (1, 16, 9, 16, 16, 16, "fp32", 1.0, 5)]      # fewer keys than one tile
+    if gpu:  # tl.dot on float32 is TF32 on a GPU: grade in half precision there, with larger sizes
+        cases = [(h, nq, nk, d, bm, bn, "fp16", ls, s) for h, nq, nk, d, bm, bn, _, ls, s in cases]
+        cases += [(4, 300, 1000, 64, 64, 64, "fp16", 30.0, 6), (2, 129, 257, 128, 64, 32, "fp16", 1.0, 7)]
+        if torch.cuda.is_bf16_supported():
+            cases.append((2, 100, 300, 64, 64, 64, "bf16", 30.0, 8))
+    for heads, n_q, n_k, d, bm, bn, dtype, ls, seed in cases:
+        rng = np.random.default_rng(6400 + seed)
+        q = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[0] for _ in range(heads)])
+        k = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[1] for _ in range(heads)])
+        v = np.stack([_rand(rng, (n_k, d)) for _ in range(heads)])
+        dt = _torch_dtype(dtype)
+        poison = POISON if dtype == "fp32" else HALF_POISON
+        q_full, tq = _framed_heads(q, bm, NAN, dt)
+        k_full, tk = _framed_heads(k, bn, NAN, dt)
+        v_full, tv = _framed_heads(v, bn, NAN, dt)
+        o_full, to = _framed_heads(np.zeros((heads, n_q, d)), bm, poison, dt)
+        to.fill_(poison)
+        scale = 1.0 / math.sqrt(d)
+        grid = (-(-n_q // bm), heads)
+        what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, "
+                f"BLOCK_N={bn}, {dtype}{', large logits' if ls > 10 else ''}")
+        if not _launch(report, what, attention_fwd_kernel, grid, tq, tk, tv, to, scale * LOG2E,
+                       tq.stride(0), tk.stride(0), tv.stride(0), to.stride(0), n_q, n_k,
+                       HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn):
+            return
+        got = _np(to.float() if dtype != "fp32" else to)
+        qs, ks, vs = (_np(t.float()).astype(np.float64) for t in (tq, tk, tv))
+        truth = np.stack([attention64(qs[h], ks[h], vs[h], scale)[0] for h in range(heads)])
+        ref = _np((torch.softmax((tq @ tk.transpose(-2, -1)) * scale, dim=-1) @ tv).float()).astype(np.float64)
+        tail, large = n_k % bn != 0, ls > 10
+        unwritten = got == np.float32(poison)
+        if unwritten.all():
+            return report.fail(f"{what}: no output was written: is the loop body still a stub?")
+        bad = ~np.isfinite(got)
+        if bad.all() and not tail and not large:
+            return report.fail(f"{what}: every output is NaN: o = acc / l is 0 / 0 when the loop body does not "
+                               "update acc and l (is it still a stub?)")
+        eps = float(np.finfo(np.float32 if dtype == "fp32" else np.float16).eps)
+        ok, line = compare(got, truth, ref, what=what, rtol_floor=(256 if dtype == "fp32" else 4) * eps)
+        if ok:
+            report.ok(line)
+            continue
+        per_head = lambda bug: np.stack([tiled64(qs[h], ks[h], vs[h], scale, bn, bug)[0] for h in range(heads)])  # noqa: E731
+        all_heads = lambda sc: np.stack([attention64(qs[h], ks[h], vs[h], sc)[0] for h in range(heads)])  # noqa: E731
+        mistakes = [
+            ("keys past N_K were loaded as 0 and scored 0, so they took a share of the softmax: set their scores "
+             "to -inf, s = tl.where(keys[None, :] < N_K, s, float('-inf'))",
+             per_head("tail_as_zero") if tail else None),
+            ("when the max grows, rescale acc too: acc = acc * alpha[:, None] + tl.dot(p, v), with "
+             "alpha = exp2(m_i - m_new)", per_head("no_rescale_acc")),
+            ("when the max grows, rescale l too: l_i = l_i * alpha + tl.sum(p, 1)", per_head("no_rescale_l")),
+            ("rescale l and acc by alpha = exp2(m_i - m_new), computed before m_i is replaced",
+             per_head("no_rescale")),
+            ("the rescale factor is exp2(m_i - m_new) <= 1, not exp2(m_new - m_i)", per_head("inverted_rescale")),
+            ("qk_scale already holds log2(e): use tl.math.exp2 (exp2(s · log2 e) = exp(s)), or tl.exp with "
+             "qk_scale / log2(e)", all_heads(scale * LOG2E)),
+            ("multiply the scores by qk_scale", all_heads(LOG2E)),
+            ("the loop must cover the last, partial tile too", per_head("last_tile_missing") if tail else None),
+        ]
+        hint = _diagnose(got, mistakes, truth)
+        if hint is None and bad.any() and tail:
+            hint = ("load k and v with mask=keys[:, None] < N_K and other=0.0: past N_K lies memory that is not this "
+                    "head's (here NaN), and even with its score at -inf, p = 0 times a NaN value is NaN in p @ v")
+        elif hint is None and bad.any():
+            hint = ("subtract the running max before exp2, p = exp2(s - m_new[:, None]) with m_new = "
+                    "max(m_i, max of the tile's scores): scores in the hundreds overflow")
+        return _fail(report, line, hint)
+
+
+# ---- 06.5 the causal mask, tile by tile ----------------------------------------------------------
+
+KINDS = ("full", "masked", "skipped")
+
+
+def causal_tile_truth(q0: int, k0: int, block_m: int, block_n: int) -> str:
+    """Queries q0 .. q0+block_m-1 against keys k0 .. k0+block_n-1, query i seeing keys j <= i."""
+    if k0 + block_n - 1 <= q0:
+        return "full"      # the last key is seen by the first query, so by every query
+    if k0 > q0 + block_m - 1:
+        return "skipped"   # the first key comes after the last query
+    return "masked"
+
+
+def key_range_truth(start_m: int, block_m: int, block_n: int, n_k: int) -> tuple[int, int]:
+    q0 = start_m * block_m
+    return min((q0 + 1) // block_n * block_n, (n_k // block_n) * block_n), min(q0 + block_m, n_k)
+
+
+def _tile_cases(rng):
+    cases = [(0, 0, 4, 4), (8, 5, 4, 4), (8, 4, 4, 4), (8, 11, 4, 4), (8, 12, 4, 4), (8, 9, 4, 4),
+             (64, 0, 64, 64), (64, 64, 64, 64), (64, 128, 64, 64), (128, 64, 128, 64), (128, 192, 128, 64),
+             (128, 256, 128, 64), (0, 0, 1, 1), (3, 3, 1, 1), (3, 4, 1, 1), (10, 0, 3, 11), (10, 1, 3, 11)]
+    for _ in range(60):
+        bm, bn = int(rng.choice([1, 2, 3, 16, 32, 64, 128])), int(rng.choice([1, 5, 16, 32, 64, 128]))
+        q0 = int(rng.integers(0, 400))
+        k0 = int(q0 + rng.integers(-2 * bn - 2, bm + 3))
+        cases.append((q0, max(0, k0), bm, bn))
+    return cases
+
+
+def _range_cases():
+    out = []
+    for bm, bn in ((64, 64), (128, 64), (64, 128), (32, 16), (3, 4), (5, 2), (16, 1), (48, 32)):
+        for n_k in (1, 7, bn, 3 * bn, 3 * bn + 5, 200, 1000):
+            for start_m in range(0, 9):
+                out.append((start_m, bm, bn, n_k))
+    return out
+
+
+def _tiles(lo: int, hi: int, bn: int) -> list[int]:
+    return list(range(lo, hi, bn))
+
+
+@exercise("06.5", "causal masking: which tiles", names=("causal_tile", "key_range"), time_limit_s=60)
+@_quiet
+def grade_causal(report: Report, causal_tile, key_range):
+    rng = np.random.default_rng(65)
+    wrong_hints = [
+        (lambda q0, k0, bm, bn: "skipped" if k0 >= q0 + bm - 1 else causal_tile_truth(q0, k0, bm, bn),
+         "key q0 + block_m - 1 is seen by the last query: j <= i includes the diagonal, so a tile is skipped only "
+         "when its first key comes after the last query, k0 > q0 + block_m - 1"),
+        (lambda q0, k0, bm, bn: "full" if k0 + bn - 1 < q0 else
+         causal_tile_truth(q0, k0, bm, bn).replace("full", "masked"),
+         "a tile whose last key is q0 needs no mask: the first query sees keys j <= q0, so it is full when "
+         "k0 + block_n - 1 <= q0"),
+        (lambda q0, k0, bm, bn: {"full": "skipped", "skipped": "full"}.get(causal_tile_truth(q0, k0, bm, bn), "masked"),
+         "query i sees keys j <= i: the keys *before* the queries are the full tiles, the ones after are skipped"),
+        (lambda q0, k0, bm, bn: "full" if k0 + bn <= q0 else ("skipped" if k0 >= q0 + bm else "masked"),
+         "a tile is full when its last key k0 + block_n - 1 is <= q0 (not <), and skipped when its first key is "
+         "after the last query, k0 > q0 + block_m - 1"),
+    ]
+    cases = _tile_cases(rng)
+    for q0, k0, bm, bn in cases:
+        call = f"causal_tile({q0}, {k0}, {bm}, {bn})"
+        before = report.failures
+        got = guarded(report, call, causal_tile, q0, k0, bm, bn)
+        if report.failures > before:
+            return
+        want = causal_tile_truth(q0, k0, bm, bn)
+        if got == want:
+            continue
+        if got not in KINDS:
+            return report.fail(f"{call} returned {got!r}: return one of 'full', 'masked', 'skipped'")
+        hint = None
+        for fn, h in wrong_hints:
+            if all(str(guarded(report, "", causal_tile, *c)) == fn(*c) for c in cases[:40]):
+                hint = h
+                break
+        return _fail(report, f"{call} returned {got!r}, expected {want!r} (queries {q0}..{q0 + bm - 1}, keys "
+                             f"{k0}..{k0 + bn - 1})", hint or "query i sees key j when j <= i: compare the tile's "
+                                                                "first and last key with its first and last query")
+    report.ok(f"causal_tile: all {len(cases)} tiles classified (full, masked, skipped)")
+
+    range_hints = [
+        (lambda s, bm, bn, nk: (key_range_truth(s, bm, bn, nk)[0], nk),
+         "with a causal mask the keys after the tile's last query are never needed: stop at min(q0 + block_m, n_k), "
+         "which skips every tile above the diagonal"),
+        (lambda s, bm, bn, nk: (key_range_truth(s, bm, bn, nk)[0], min(s * bm + bm - 1, nk)),
+         "the tile's last query, q0 + block_m - 1, sees its own key: the range ends at q0 + block_m (exclusive)"),
+        (lambda s, bm, bn, nk: (min(s * bm // bn * bn, nk // bn * bn), key_range_truth(s, bm, bn, nk)[1]),
+         "a tile whose last key is q0 is still full: n_full = (q0 + 1) // block_n * block_n"),
+        (lambda s, bm, bn, nk: ((s * bm + 1) // bn * bn, key_range_truth(s, bm, bn, nk)[1]),
+         "tiles that reach past n_k need the mask too (the last, partial one): n_full is at most "
+         "(n_k // block_n) * block_n"),
+        (lambda s, bm, bn, nk: (0, key_range_truth(s, bm, bn, nk)[1]),
+         "tiles entirely below the diagonal need no mask: n_full is the start of the first tile that crosses it"),
+    ]
+    cases = _range_cases()
+    for start_m, bm, bn, n_k in cases:
+        call = f"key_range({start_m}, {bm}, {bn}, {n_k})"
+        before = report.failures
+        got = guarded(report, call, key_range, start_m, bm, bn, n_k)
+        if report.failures > before:
+            return
+        got = _pair(report, call, got)
+        if got is None:
+            return
+        try:
+            n_full, n_end = int(got[0]), int(got[1])
+        except (TypeError, ValueError):
+            return report.fail(f"{call} returned {got!r}: return two ints (n_full, n_end)")
+        want = key_range_truth(start_m, bm, bn, n_k)
+        # what a kernel does with them: unmasked tiles from 0 to n_full, masked tiles from n_full to n_end
+        if (_tiles(0, n_full, bn), _tiles(n_full, n_end, bn)) == (_tiles(0, want[0], bn), _tiles(want[0], want[1], bn)):
+            continue
+        hint = None
+        for fn, h in range_hints:
+            w = fn(start_m, bm, bn, n_k)
+            if (_tiles(0, w[0], bn), _tiles(w[0], w[1], bn)) == (_tiles(0, n_full, bn), _tiles(n_full, n_end, bn)):
+                hint = h
+                break
+        if hint is None and n_full % bn:
+            hint = "n_full is where the masked tiles start: a multiple of block_n"
+        q0 = start_m * bm
+        return _fail(report, f"{call} returned ({n_full}, {n_end}), expected {want} (queries {q0}..{q0 + bm - 1})",
+                     hint or "n_full: the end of the whole tiles whose last key is <= q0; "
+                             "n_end: min(q0 + block_m, n_k)")
+    report.ok(f"key_range: all {len(cases)} query tiles get the right unmasked, masked and skipped tiles")
+
+
+# ---- 06.6 the log-sum-exp from the kernel's base-2 state ----------------------------------------
+
+
+def _state_rows(rng):
+    """Rows of scaled scores s: small, ±1000, all below -1000, one score; with the kernel's base-2
+    state (m2, l2) computed from them in float64 and rounded to float32."""
+    rows = [_rand(rng, 30), _rand(rng, 30, 400.0), -np.abs(_rand(rng, 30, 10.0)) - 1000.0,
+            _rand(rng, 1) * 50, _rand(rng, 30, 3.0) + 700.0]
+    n = max(len(r) for r in rows)
+    s = np.full((len(rows), n), -np.inf)
+    for i, r in enumerate(rows):
+        s[i, :len(r)] = r
+    s2 = s * LOG2E
+    m2 = s2.max(axis=1)
+    l2 = np.exp2(s2 - m2[:, None]).sum(axis=1)
+    return s, exact_f32(m2), exact_f32(l2)
+
+
+@exercise("06.6", "the log-sum-exp, for the backward pass", names=("lse_from_state", "probs_from_lse"),
+          time_limit_s=60)
+@_quiet
+def grade_lse(report: Report, lse_from_state, probs_from_lse):
+    import torch
+
+    for seed in (0, 1, 2):
+        rng = np.random.default_rng(6600 + seed)
+        s, m2, l2 = _state_rows(rng)
+        truth = m2 * LN2 + np.log(l2)   # exactly what the float32 state encodes, in float64
+        what = f"{len(m2)} rows (scores from -1000 to 1000), seed {seed}"
+        before = report.failures
+        got = guarded(report, f"lse_from_state, {what}", lse_from_state,
+                      torch.tensor(m2, dtype=torch.float32), torch.tensor(l2, dtype=torch.float32))
+        if report.failures > before:
+            return
+        if got is None:
+            return report.fail("lse_from_state returned None: did you forget `return`?")
+        tm, tl_ = torch.tensor(m2, dtype=torch.float32), torch.tensor(l2, dtype=torch.float32)
+        ref = _np(tm * LN2 + torch.log(tl_)).astype(np.float64)
+        ok, line = _check(report, got, truth, ref, what=f"lse_from_state, {what}", floor=8)
+        if not ok:
+            mistakes = [("the state is in base 2: lse = (m2 + log2(l2)) · ln 2; you returned m2 + log2(l2), "
+                         "the base-2 log-sum-exp", m2 + np.log2(l2)),
+                        ("m2 is in base-2 units too: multiply it by ln 2 (lse = m2 · ln 2 + ln l2)", m2 + np.log(l2)),
+                        ("l2 sums powers of 2: ln l2 = log2(l2) · ln 2, or use torch.log(l2) directly",
+                         m2 * LN2 + np.log2(l2)),
+                        ("add the max back: lse = (m2 + log2(l2)) · ln 2", np.log(l2)),
+                        ("divide by log2(e), or multiply by ln 2: lse = (m2 + log2 l2) · ln 2, not · log2(e)",
+                         (m2 + np.log2(l2)) * LOG2E),
+                        ("take the log of l2: lse = (m2 + log2(l2)) · ln 2", (m2 + l2) * LN2)]
+            return _fail(report, line, _diagnose(got, mistakes, truth))
+        report.ok(line)
+
+    # probs_from_lse: recompute one tile of P from q, k and the saved lse, as the backward pass does
+    for i, (n_q, n_k, d, ls) in enumerate([(8, 16, 8, 1.0), (5, 33, 16, 300.0), (1, 7, 4, 1.0)]):
+        rng = np.random.default_rng(6650 + i)
+        q, k, _ = _attention_inputs(rng, n_q, n_k, d, ls)
+        scale = 1.0 / math.sqrt(d)
+        s = q @ k.T * scale
+        lse = s.max(axis=1) + np.log(np.exp(s - s.max(axis=1, keepdims=True)).sum(axis=1))
+        lse32 = exact_f32(lse)
+        truth = np.exp(s - lse32[:, None])
+        tq, tk = torch.tensor(q, dtype=torch.float32), torch.tensor(k, dtype=torch.float32)
+        what = f"probs_from_lse, N_Q={n_q}, N_K={n_k}, d={d}" + (", large logits" if ls > 10 else "")
+        before = report.failures
+        got = guarded(report, what, probs_from_lse, tq, tk, torch.tensor(lse32, dtype=torch.float32), scale)
+        if report.failures > before:
+            return
+        if got is None:
+            return report.fail(f"{what}: returned None: did you forget `return`?")
+        ref = _np(torch.exp(tq @ tk.T * scale - torch.tensor(lse32, dtype=torch.float32)[:, None])).astype(np.float64)
+        ok, line = _check(report, got, truth, ref, what=what)
+        if not ok:
+            mistakes = [("scale the scores first: P = exp(q kᵀ · sm_scale - lse)", np.exp(q @ k.T - lse32[:, None])),
+                        ("lse is a natural log: P = exp(s - lse), not exp2", np.exp2(s - lse32[:, None])),
+                        ("subtract each row's own lse: lse[:, None], one per query row", np.exp(s - lse32[None, :n_k])
+                         if n_k <= n_q else None),
+                        ("P = exp(s - lse): no further normalisation, no max (lse already holds both)",
+                         np.exp(s - s.max(axis=1, keepdims=True)))]
+            return _fail(report, line, _diagnose(got, mistakes, truth))
+        report.ok(line)

@@ -1,0 +1,473 @@
+"""Chapter 06's graders: typical wrong answers are rejected with a message that teaches, and
+different but correct answers are accepted. Kernels run in Triton's interpreter on the CPU."""
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tests.helpers import grade
+
+# ---- 06.1 combine split-KV partial results -------------------------------------------------------
+
+
+def combine_ok(outs, lses):
+    w = torch.softmax(lses, dim=0)                      # exp(lse_s - logsumexp) in one call
+    return (w[..., None] * outs).sum(dim=0), torch.logsumexp(lses, dim=0)
+
+
+def combine_ok_pairwise(outs, lses):  # merge the splits one after another, in float64
+    o, lse = outs[0].double(), lses[0].double()
+    for o_s, l_s in zip(outs[1:].double(), lses[1:].double()):
+        new = torch.logaddexp(lse, l_s)
+        o = torch.exp(lse - new)[:, None] * o + torch.exp(l_s - new)[:, None] * o_s
+        lse = new
+    return o, lse
+
+
+def combine_mean(outs, lses):
+    return outs.mean(dim=0), torch.logsumexp(lses, dim=0)
+
+
+def combine_unnormalised(outs, lses):
+    m = lses.max(dim=0).values
+    w = torch.exp(lses - m)
+    return (w[..., None] * outs).sum(dim=0), m + torch.log(w.sum(dim=0))
+
+
+def combine_naive_exp(outs, lses):
+    w = torch.exp(lses)
+    return (w[..., None] * outs).sum(dim=0) / w.sum(dim=0)[:, None], torch.log(w.sum(dim=0))
+
+
+def combine_max_lse(outs, lses):
+    return combine_ok(outs, lses)[0], lses.max(dim=0).values
+
+
+def combine_forgot_max(outs, lses):
+    m = lses.max(dim=0).values
+    w = torch.exp(lses - m)
+    return (w[..., None] * outs).sum(dim=0) / w.sum(dim=0)[:, None], torch.log(w.sum(dim=0))
+
+
+@pytest.mark.parametrize("fn", [combine_ok, combine_ok_pairwise])
+def test_06_1_accepts_correct(fn):
+    passed, text = grade("06.1", combine_splits=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (combine_mean, "a plain average treats every split alike"),
+    (combine_unnormalised, "divide by their sum"),
+    (combine_naive_exp, "subtract the largest lse first"),
+    (combine_max_lse, "not the largest lse"),
+    (combine_forgot_max, "the max goes back in"),
+    (lambda outs, lses: None, "forget `return`"),
+])
+def test_06_1_rejects_wrong(fn, hint):
+    passed, text = grade("06.1", combine_splits=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 06.2 one-pass softmax statistics -------------------------------------------------------------
+
+
+def stats_ok(blocks):
+    m, l = torch.tensor(float("-inf")), torch.tensor(0.0)
+    for x in blocks:
+        m_new = torch.maximum(m, x.max())
+        l = l * torch.exp(m - m_new) + torch.exp(x - m_new).sum()
+        m = m_new
+    return m, l
+
+
+def stats_ok_logaddexp(blocks):  # a running log-sum-exp in float64, converted at the end
+    lse, m = -math.inf, -math.inf
+    for x in blocks:
+        x = x.double()
+        lse = float(torch.logaddexp(torch.tensor(lse, dtype=torch.float64), torch.logsumexp(x, 0)))
+        m = max(m, float(x.max()))
+    return m, math.exp(lse - m)
+
+
+def stats_no_rescale(blocks):
+    m, l = torch.tensor(float("-inf")), torch.tensor(0.0)
+    for x in blocks:
+        m = torch.maximum(m, x.max())
+        l = l + torch.exp(x - m).sum()
+    return m, l
+
+
+def stats_no_max(blocks):
+    m, l = torch.tensor(float("-inf")), torch.tensor(0.0)
+    for x in blocks:
+        m = torch.maximum(m, x.max())
+        l = l + torch.exp(x).sum()
+    return m, l
+
+
+def stats_inverted(blocks):
+    m, l = torch.tensor(float("-inf")), torch.tensor(0.0)
+    for x in blocks:
+        m_new = torch.maximum(m, x.max())
+        factor = torch.exp(m_new - m) if torch.isfinite(m) else torch.tensor(0.0)
+        l = l * factor + torch.exp(x - m_new).sum()
+        m = m_new
+    return m, l
+
+
+def stats_first_max(blocks):
+    m, l = None, torch.tensor(0.0)
+    for x in blocks:
+        m = x.max() if m is None else m
+        l = l + torch.exp(x - m).sum()
+    return m, l
+
+
+def stats_two_passes(blocks):
+    xs = list(blocks)
+    m = max(float(x.max()) for x in blocks)  # walks the blocks a second time
+    return m, sum(float(torch.exp(x - m).sum()) for x in xs)
+
+
+@pytest.mark.parametrize("fn", [stats_ok, stats_ok_logaddexp])
+def test_06_2_accepts_correct(fn):
+    passed, text = grade("06.2", online_softmax_stats=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (stats_no_rescale, "rescale the running sum"),
+    (stats_no_max, "subtract the running max before exp"),
+    (stats_inverted, "exp(m_old - m_new), at most 1"),
+    (stats_first_max, "not the first block's"),
+    (stats_two_passes, "only once"),
+])
+def test_06_2_rejects_wrong(fn, hint):
+    passed, text = grade("06.2", online_softmax_stats=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 06.3 tiled attention in PyTorch ---------------------------------------------------------------
+
+
+def tiled_ok(q, k, v, block_n, causal=False):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    m = torch.full((q.shape[0],), float("-inf"))
+    l = torch.zeros(q.shape[0])
+    acc = torch.zeros(q.shape[0], v.shape[-1])
+    for n0 in range(0, k.shape[0], block_n):
+        s = (q @ k[n0:n0 + block_n].T) * scale
+        if causal:
+            keys = torch.arange(n0, n0 + s.shape[1])
+            s = s.masked_fill(keys[None, :] > torch.arange(q.shape[0])[:, None], float("-inf"))
+        m_new = torch.maximum(m, s.max(dim=1).values)
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[:, None])
+        l = alpha * l + p.sum(dim=1)
+        acc = alpha[:, None] * acc + p @ v[n0:n0 + block_n]
+        m = m_new
+    return acc / l[:, None], m + torch.log(l)
+
+
+def tiled_ok_normalised_merges(q, k, v, block_n, causal=False):  # a normalised output and its lse per tile
+    qs = q / math.sqrt(q.shape[-1])
+    o, lse = None, None
+    last = q.shape[0] - 1
+    for n0 in range(0, min(k.shape[0], last + 1) if causal else k.shape[0], block_n):  # no query sees later keys
+        s = qs @ k[n0:n0 + block_n].T
+        if causal:
+            s = s + torch.where(torch.arange(n0, n0 + s.shape[1])[None, :] <= torch.arange(q.shape[0])[:, None],
+                                0.0, float("-inf"))
+        lse_t = torch.logsumexp(s, dim=1)
+        o_t = torch.softmax(s, dim=1) @ v[n0:n0 + block_n]
+        o_t = torch.where(torch.isneginf(lse_t)[:, None], 0.0, o_t)   # a row with every key masked: nothing
+        if o is None:
+            o, lse = o_t, lse_t
+            continue
+        new = torch.logaddexp(lse, lse_t)
+        o = torch.exp(lse - new)[:, None] * o + torch.exp(lse_t - new)[:, None] * o_t
+        lse = new
+    return o, lse
+
+
+def tiled_whole_matrix(q, k, v, block_n, causal=False):
+    s = (q @ k.T) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(s, dim=1) @ v, torch.logsumexp(s, dim=1)
+
+
+def _variant(no_acc=False, no_l=False, last_tile=True, no_max=False, lse_plain=False, mask=None):
+    def fn(q, k, v, block_n, causal=False):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        m = torch.full((q.shape[0],), 0.0 if no_max else float("-inf"))
+        l = torch.zeros(q.shape[0])
+        acc = torch.zeros(q.shape[0], v.shape[-1])
+        stop = k.shape[0] if last_tile else (k.shape[0] // block_n) * block_n
+        for n0 in range(0, stop, block_n):
+            s = (q @ k[n0:n0 + block_n].T) * scale
+            if causal and mask is not None:  # the causal mask, right ("ok") or in one of the usual wrong ways
+                i, j = torch.arange(q.shape[0])[:, None], torch.arange(n0, n0 + s.shape[1])[None, :]
+                if mask == "zero":
+                    s = torch.where(j <= i, s, torch.zeros_like(s))
+                else:
+                    keep = {"strict": j < i, "bottom_right": j <= i + k.shape[0] - q.shape[0], "ok": j <= i}[mask]
+                    s = s.masked_fill(~keep, float("-inf"))
+            m_new = m if no_max else torch.maximum(m, s.max(dim=1).values)
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[:, None])
+            l = (1.0 if no_l else alpha) * l + p.sum(dim=1)
+            acc = (1.0 if no_acc else alpha[:, None]) * acc + p @ v[n0:n0 + block_n]
+            m = m_new
+        return acc / l[:, None], m + (l if lse_plain else torch.log(l))
+    return fn
+
+
+@pytest.mark.parametrize("fn", [tiled_ok, tiled_ok_normalised_merges, _variant(mask="ok")])
+def test_06_3_accepts_correct(fn):
+    passed, text = grade("06.3", tiled_attention=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (tiled_whole_matrix, "that is the whole score matrix"),
+    (_variant(no_acc=True), "rescale acc too"),
+    (_variant(no_l=True), "rescale l too"),
+    (_variant(no_acc=True, no_l=True), "computed before m is updated"),
+    (_variant(last_tile=False), "the last tile of keys is partial"),
+    (_variant(no_max=True), "subtract the running max"),
+    (_variant(lse_plain=True), "not m + l"),
+    (_variant(mask="strict"), "not j >= i"),
+    (_variant(mask="bottom_right"), "counted from the start of both sequences"),
+    (_variant(mask="zero"), "a score of 0 still counts"),
+    (_variant(), "query i sees only the keys j <= i"),
+])
+def test_06_3_rejects_wrong(fn, hint):
+    passed, text = grade("06.3", tiled_attention=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 06.4 the Triton inner loop --------------------------------------------------------------------
+# One kernel with switches for the typical mistakes, so that each wrong version differs in one place.
+
+
+@triton.jit
+def _inner(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, stride_vh, stride_oh, N_Q, N_K,
+           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_SCORES: tl.constexpr,
+           MASK_LOADS: tl.constexpr, RESCALE_ACC: tl.constexpr, EXP2: tl.constexpr, SUB_MAX: tl.constexpr):
+    start_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + off_h * stride_qh + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=offs_m[:, None] < N_Q, other=0.0)
+    k_head = k_ptr + off_h * stride_kh
+    v_head = v_ptr + off_h * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, N_K, BLOCK_N):
+        keys = start_n + offs_n
+        inside = keys < N_K
+        if MASK_LOADS:
+            k = tl.load(k_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)
+        else:
+            k = tl.load(k_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_head + keys[:, None] * HEAD_DIM + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASK_SCORES:
+            s = tl.where(inside[None, :], s, float("-inf"))
+        if SUB_MAX:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        else:
+            m_new = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if EXP2:
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+        if not SUB_MAX:
+            alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if RESCALE_ACC:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + off_h * stride_oh + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < N_Q)
+
+
+class Variant:
+    """_inner with its switches fixed: launched as kernel[grid](...) like the learner's kernel."""
+
+    def __init__(self, **switches):
+        self.switches = dict(MASK_SCORES=True, MASK_LOADS=True, RESCALE_ACC=True, EXP2=True, SUB_MAX=True)
+        self.switches.update(switches)
+        self.fn = _inner.fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: _inner[grid](*args, **meta, **self.switches)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("launch it as kernel[grid](...)")
+
+
+@triton.jit
+def inner_ok_natural_exp(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, stride_vh, stride_oh, N_Q, N_K,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # base e with the scale undone, K loaded already transposed, the max taken after scaling
+    start_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + off_h * stride_qh + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=offs_m[:, None] < N_Q, other=0.0)
+    k_head = k_ptr + off_h * stride_kh
+    v_head = v_ptr + off_h * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, N_K, BLOCK_N):
+        keys = start_n + offs_n
+        kt = tl.load(k_head + offs_d[:, None] + keys[None, :] * HEAD_DIM, mask=keys[None, :] < N_K, other=0.0)
+        s = tl.dot(q, kt) * (qk_scale * 0.6931471805599453)
+        s = s + tl.where(keys[None, :] < N_K, 0.0, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None] < N_K, other=0.0)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + off_h * stride_oh + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < N_Q)
+
+
+def inner_plain_python(*args, **kwargs):
+    pass
+
+
+@pytest.mark.parametrize("kernel", [Variant(), inner_ok_natural_exp])
+def test_06_4_accepts_correct(kernel):
+    passed, text = grade("06.4", attention_fwd_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (Variant(MASK_SCORES=False), "set their scores to -inf"),
+    (Variant(MASK_LOADS=False), "0 times a NaN value is NaN"),
+    (Variant(RESCALE_ACC=False), "rescale acc too"),
+    (Variant(EXP2=False), "qk_scale already holds log2(e)"),
+    (Variant(SUB_MAX=False), "subtract the running max before exp2"),
+    (inner_plain_python, "@triton.jit"),
+])
+def test_06_4_rejects_wrong(kernel, hint):
+    passed, text = grade("06.4", attention_fwd_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 06.5 the causal mask, tile by tile --------------------------------------------------------------
+
+
+def tile_ok(q0, k0, bm, bn):
+    if k0 + bn - 1 <= q0:
+        return "full"
+    return "skipped" if k0 > q0 + bm - 1 else "masked"
+
+
+def tile_ok_by_counting(q0, k0, bm, bn):  # looks at every (query, key) pair
+    seen = [k <= q for q in range(q0, q0 + bm) for k in range(k0, k0 + bn)]
+    return "full" if all(seen) else ("skipped" if not any(seen) else "masked")
+
+
+def range_ok(start_m, bm, bn, n_k):
+    q0 = start_m * bm
+    return min((q0 + 1) // bn * bn, n_k // bn * bn), min(q0 + bm, n_k)
+
+
+def range_ok_rounded_end(start_m, bm, bn, n_k):  # n_end rounded up to a tile: the same tiles run
+    n_full, n_end = range_ok(start_m, bm, bn, n_k)
+    return n_full, min(-(-n_end // bn) * bn, -(-n_k // bn) * bn) if n_end > n_full else n_full
+
+
+@pytest.mark.parametrize("tile, rng_fn", [(tile_ok, range_ok), (tile_ok_by_counting, range_ok_rounded_end)])
+def test_06_5_accepts_correct(tile, rng_fn):
+    passed, text = grade("06.5", causal_tile=tile, key_range=rng_fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("tile, rng_fn, hint", [
+    (lambda q0, k0, bm, bn: "skipped" if k0 >= q0 + bm - 1 else tile_ok(q0, k0, bm, bn), range_ok,
+     "j <= i includes the diagonal"),
+    (lambda q0, k0, bm, bn: "full" if k0 + bn - 1 < q0 else tile_ok(q0, k0, bm, bn).replace("full", "masked"),
+     range_ok, "a tile whose last key is q0 needs no mask"),
+    (lambda q0, k0, bm, bn: {"full": "skipped", "skipped": "full"}.get(tile_ok(q0, k0, bm, bn), "masked"), range_ok,
+     "the keys *before* the queries are the full tiles"),
+    (lambda q0, k0, bm, bn: "masked", range_ok, "compare the tile's first and last key"),
+    (tile_ok, lambda s, bm, bn, nk: (range_ok(s, bm, bn, nk)[0], nk), "skips every tile above the diagonal"),
+    (tile_ok, lambda s, bm, bn, nk: (range_ok(s, bm, bn, nk)[0], min(s * bm + bm - 1, nk)), "sees its own key"),
+    (tile_ok, lambda s, bm, bn, nk: (min(s * bm // bn * bn, nk // bn * bn), range_ok(s, bm, bn, nk)[1]),
+     "(q0 + 1) // block_n * block_n"),
+    (tile_ok, lambda s, bm, bn, nk: ((s * bm + 1) // bn * bn, range_ok(s, bm, bn, nk)[1]),
+     "(n_k // block_n) * block_n"),
+    (tile_ok, lambda s, bm, bn, nk: None, "forget `return`"),
+])
+def test_06_5_rejects_wrong(tile, rng_fn, hint):
+    passed, text = grade("06.5", causal_tile=tile, key_range=rng_fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 06.6 the log-sum-exp ------------------------------------------------------------------------------
+
+
+def lse_ok(m2, l2):
+    return (m2 + torch.log2(l2)) * math.log(2.0)
+
+
+def lse_ok_natural(m2, l2):
+    return m2 * math.log(2.0) + torch.log(l2)
+
+
+def probs_ok(q, k, lse, sm_scale):
+    return torch.exp((q @ k.T) * sm_scale - lse[:, None])
+
+
+def probs_ok_base2(q, k, lse, sm_scale):  # the kernel's way: base 2 throughout
+    log2e = 1 / math.log(2.0)
+    return torch.exp2((q @ k.T) * (sm_scale * log2e) - lse[:, None] * log2e)
+
+
+@pytest.mark.parametrize("lse_fn, probs_fn", [(lse_ok, probs_ok), (lse_ok_natural, probs_ok_base2)])
+def test_06_6_accepts_correct(lse_fn, probs_fn):
+    passed, text = grade("06.6", lse_from_state=lse_fn, probs_from_lse=probs_fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("lse_fn, probs_fn, hint", [
+    (lambda m2, l2: m2 + torch.log2(l2), probs_ok, "the base-2 log-sum-exp"),
+    (lambda m2, l2: m2 + torch.log(l2), probs_ok, "m2 is in base-2 units too"),
+    (lambda m2, l2: torch.log(l2), probs_ok, "add the max back"),
+    (lambda m2, l2: (m2 + torch.log2(l2)) / math.log(2.0), probs_ok, "not · log2(e)"),
+    (lse_ok, lambda q, k, lse, sc: torch.exp(q @ k.T - lse[:, None]), "scale the scores first"),
+    (lse_ok, lambda q, k, lse, sc: torch.exp2(q @ k.T * sc - lse[:, None]), "lse is a natural log"),
+    (lse_ok, lambda q, k, lse, sc: None, "forget `return`"),
+])
+def test_06_6_rejects_wrong(lse_fn, probs_fn, hint):
+    passed, text = grade("06.6", lse_from_state=lse_fn, probs_from_lse=probs_fn)
+    assert not passed
+    assert hint in text, text
