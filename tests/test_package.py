@@ -108,3 +108,24 @@ def test_a_crash_in_learner_code_fails_only_that_exercise():
     assert not passed and "crashed" in text and "SIGSEGV" in text
     passed, text = grade("01.2", grid_size=lambda n, b: (n + b - 1) // b)  # this process lives on
     assert passed, text
+
+
+def test_recorded_results_come_from_a_stamped_gpu_run_of_a_lesson():
+    """Every recorded file names the lesson whose GPU execution wrote it, and that lesson's stamp
+    agrees on the GPU: recorded numbers can only come from running a lesson on a GPU."""
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(bench.RECORDED_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        prov = json.loads(path.read_text())["provenance"]
+        match = re.fullmatch(r"python tools/stamp.py --record (notebooks/\d\d_\w+\.ipynb)", prov["command"])
+        assert match, f"{path.name}: not recorded by tools/stamp.py --record ({prov['command']!r})"
+        lesson = nbformat.read(root / match.group(1), as_version=4)
+        stamp = lesson.metadata["kernelcourse"]["stamp"]
+        assert prov["gpu"] == stamp["gpu"] and prov["gpu"] != "CPU", path.name
+        assert prov["versions"]["torch"] == stamp["versions"]["torch"], path.name
