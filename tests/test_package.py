@@ -71,6 +71,7 @@ def test_compare_finds_unwritten_nan_and_errors():
     ok, line = grading.compare(out, truth, what="t")
     assert not ok and "max error 0.5 at index 3" in line
     assert "shape" in grading.compare(out[:2], truth, what="t")[1]
+    assert "dtype float64, expected float32" in grading.compare(truth, truth, what="t", dtype=np.float32)[1]
     assert "no element" in grading.compare(grading.poisoned(5), truth, what="t")[1]
 
 
@@ -129,3 +130,8 @@ def test_recorded_results_come_from_a_stamped_gpu_run_of_a_lesson():
         stamp = lesson.metadata["kernelcourse"]["stamp"]
         assert prov["gpu"] == stamp["gpu"] and prov["gpu"] != "CPU", path.name
         assert prov["versions"]["torch"] == stamp["versions"]["torch"], path.name
+
+
+def test_an_illegal_gpu_access_is_explained():
+    line = grading.explain(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert "illegal memory access" in line and "restart the kernel" in line

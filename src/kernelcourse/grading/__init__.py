@@ -129,6 +129,9 @@ def explain(exc: BaseException) -> str:
         return f"{exc}: is there a loop that never ends?"
     if isinstance(exc, NotImplementedError):
         return "not written yet (the stub raises NotImplementedError)"
+    if "illegal memory access" in str(exc).lower() or "illegal address" in str(exc).lower():
+        return ("the GPU reported an illegal memory access (a load or store outside any allocation); "
+                "this process's GPU context is now unusable: fix the masks, then restart the kernel")
     if isinstance(exc, IndexError) or "out of bounds" in str(exc).lower():
         # the simulator names the first thread that failed, which varies from run to run: leave it out
         return f"out-of-bounds access{where(exc)}: a thread past the end of the data read or wrote memory"
@@ -280,17 +283,20 @@ def _index(flat_i: int, shape) -> str:
     return str(int(idx[0])) if len(shape) == 1 else str(tuple(int(i) for i in idx))
 
 
-def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None = None) -> tuple[bool, str]:
+def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None = None,
+            dtype=None) -> tuple[bool, str]:
     """Compare ``got`` with a float64 ``truth``.
 
     The tolerance is twice the worst error of ``reference`` (the same computation done by PyTorch or
-    NumPy at the output's precision), with a floor of one rounding step of the output dtype. Returns
-    (passed, one line saying why).
+    NumPy at the output's precision), with a floor of one rounding step of the output dtype. ``dtype``,
+    when given, is the dtype the output must have. Returns (passed, one line saying why).
     """
     got = np.asarray(got)
     truth = np.asarray(truth, dtype=np.float64)
     if got.shape != truth.shape:
         return False, f"{what}: shape {got.shape}, expected {truth.shape}"
+    if dtype is not None and got.dtype != np.dtype(dtype):
+        return False, f"{what}: dtype {got.dtype}, expected {np.dtype(dtype)}"
     g = got.astype(np.float64)
     unwritten = got == np.asarray(POISON, dtype=got.dtype)
     if unwritten.all() and unwritten.size > 1:
