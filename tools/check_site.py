@@ -29,8 +29,9 @@ SKIP = ("_static/", "_sources/", "_images/", "_sphinx_design_static/", "_panels_
 
 
 def chromium() -> str | None:
-    return next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"),
-                             "/usr/bin/chromium") if p and Path(p).exists()), None)
+    """Debian's Chromium first; Google Chrome (preinstalled on GitHub's runners) also drives."""
+    names = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+    return next((p for p in (*map(shutil.which, names), "/usr/bin/chromium") if p and Path(p).exists()), None)
 
 
 class _Ids(HTMLParser):
