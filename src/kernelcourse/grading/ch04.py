@@ -110,6 +110,8 @@ def launch(report: Report, what: str, kernel, grid, *args, **meta) -> bool:
         if "Expected dtype ['fp32', 'fp64']" in text:
             hint = ("a math function (tl.erf, tl.exp, tl.sqrt...) got float16: convert what you load with "
                     "x.to(tl.float32) and compute in float32")
+        elif "dot" in text and ("dtype" in text or "type" in text):
+            hint = f"{explain(exc)}: both operands of tl.dot need one dtype; cast one with .to(other.dtype)"
         elif "unexpected keyword" in text or "missing" in text and "argument" in text:
             hint = f"{explain(exc)}; keep the kernel's signature as the exercise gives it"
         else:

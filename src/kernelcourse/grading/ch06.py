@@ -17,7 +17,8 @@ import warnings
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, explain, guarded
+from . import POISON, Report, compare, exercise, guarded
+from .ch04 import launch, not_a_kernel  # the Triton launch helpers chapters 04-06 share
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -524,33 +525,6 @@ def grade_tiled_attention(report: Report, tiled_attention):
 # ---- 06.4 the Triton inner loop ------------------------------------------------------------------
 
 
-def _not_a_kernel(obj, name: str) -> str | None:
-    if callable(obj) and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
-        return None
-    if callable(obj):
-        return (f"{name} is a plain Python function: decorate it with @triton.jit so it can be launched as "
-                f"{name}[grid](...)")
-    return f"{name} is not a kernel (got {type(obj).__name__}): define it with @triton.jit"
-
-
-def _launch(report: Report, what: str, kernel, grid, *args, **meta) -> bool:
-    try:
-        kernel[grid](*args, **meta)
-        if world().gpu:
-            import torch
-
-            torch.cuda.synchronize()
-        return True
-    except Exception as exc:
-        text = str(exc)
-        if "dot" in text and ("dtype" in text or "type" in text):
-            hint = f"{explain(exc)}: both operands of tl.dot need one dtype; cast p with p.to(v.dtype)"
-        else:
-            hint = explain(exc)
-        report.fail(f"{what}: {hint}")
-        return False
-
-
 def _framed_heads(data: np.ndarray, pad_rows: int, fill: float, dtype):
     """(heads, rows, d) data on the device inside (heads, rows + pad_rows, d) filled with ``fill``."""
     import torch
@@ -573,7 +547,7 @@ def _torch_dtype(name: str):
 def grade_inner_loop(report: Report, attention_fwd_kernel):
     import torch
 
-    if (msg := _not_a_kernel(attention_fwd_kernel, "attention_fwd_kernel")):
+    if (msg := not_a_kernel(attention_fwd_kernel, "attention_fwd_kernel")):
         return report.fail(msg)
     gpu = world().gpu
     # (heads, N_Q, N_K, d, BLOCK_M, BLOCK_N, dtype, logit scale, seed)
@@ -604,7 +578,7 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         grid = (-(-n_q // bm), heads)
         what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, "
                 f"BLOCK_N={bn}, {dtype}{', large logits' if ls > 10 else ''}")
-        if not _launch(report, what, attention_fwd_kernel, grid, tq, tk, tv, to, scale * LOG2E,
+        if not launch(report, what, attention_fwd_kernel, grid, tq, tk, tv, to, scale * LOG2E,
                        tq.stride(0), tk.stride(0), tv.stride(0), to.stride(0), n_q, n_k,
                        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn):
             return
