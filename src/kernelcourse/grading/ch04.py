@@ -12,8 +12,6 @@ Chapter 05's graders use the helpers here.
 """
 from __future__ import annotations
 
-import functools
-import warnings
 
 import numpy as np
 
@@ -26,28 +24,6 @@ PAD = 0.5  # the frame of row-wise inputs: finite, so that reading it gives a wr
 
 
 # ---- helpers shared with chapter 05 --------------------------------------------------------------
-
-
-def child_safe(grade):
-    """Run a grader with PyTorch on one CPU thread and NumPy's floating-point warnings off.
-
-    On the CPU, grading runs in a forked child. A child that inherits PyTorch's thread pool from its
-    parent hangs the first time an operation is large enough to use it; one thread never does. Wrong
-    kernels overflow on purpose-made inputs: the grader's line says so, a warning would only add noise.
-    """
-    @functools.wraps(grade)
-    def wrapper(report, **objects):
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with np.errstate(all="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                return grade(report, **objects)
-        finally:
-            torch.set_num_threads(before)
-    return wrapper
 
 
 def not_a_kernel(obj, name: str) -> str | None:
@@ -219,7 +195,6 @@ def gelu64(x):
 
 
 @exercise("04.1", "fused scale + GELU", names=("scale_gelu_kernel",))
-@child_safe
 def grade_scale_gelu(report: Report, scale_gelu_kernel):
     import torch
     import torch.nn.functional as F
@@ -277,7 +252,6 @@ def _gelu_tanh64(x):
 
 
 @exercise("04.2", "2D tiles and strides: add a bias row", names=("add_bias_kernel",))
-@child_safe
 def grade_add_bias(report: Report, add_bias_kernel):
     if (msg := not_a_kernel(add_bias_kernel, "add_bias_kernel")):
         return report.fail(msg)
@@ -348,7 +322,6 @@ def log_softmax64(x):
 
 
 @exercise("04.3", "row log-softmax", names=("log_softmax_kernel",))
-@child_safe
 def grade_log_softmax(report: Report, log_softmax_kernel):
     import torch
     import triton
@@ -415,7 +388,6 @@ def rms_norm64(x, w, eps):
 
 
 @exercise("04.4", "RMSNorm row kernel", names=("rms_norm_kernel",))
-@child_safe
 def grade_rms_norm(report: Report, rms_norm_kernel):
     import torch
     import triton

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..world import world
 from . import POISON, Report, compare, exercise, guarded
-from .ch04 import (NAN, PAD, STUB, child_safe, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
+from .ch04 import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
                    nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance)
 
 # ---- 05.1 which program computes a tile ------------------------------------------------------
@@ -129,7 +129,6 @@ def _k_mistakes(A, B, K, bk):
 
 
 @exercise("05.2", "matmul: the K loop with masks", names=("matmul_kernel",))
-@child_safe
 def grade_matmul(report: Report, matmul_kernel):
     if (msg := not_a_kernel(matmul_kernel, "matmul_kernel")):
         return report.fail(msg)
@@ -180,7 +179,6 @@ def leaky64(x):
 
 
 @exercise("05.3", "a fused epilogue: bias + leaky ReLU", names=("linear_leaky_relu_kernel",))
-@child_safe
 def grade_epilogue(report: Report, linear_leaky_relu_kernel):
     import torch
     import torch.nn.functional as F
