@@ -32,6 +32,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .world import world
 
@@ -177,47 +178,68 @@ def tiled_attention_ref(q, k, v, causal: bool = False, sm_scale: float | None = 
 
 
 @triton.jit
-def _attend_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, qk_scale, offs_m, offs_n, lo, hi, N_K,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def _load_tile(desc, off_z, off_h, row, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows row .. row + BLOCK - 1 of head (off_z, off_h) of a (B, H, N, d) tensor, as (BLOCK, HEAD_DIM).
+
+    Through a tensor descriptor: rows past N read as 0, so the load needs no mask. On an H100 the copy
+    engine (TMA) does the address arithmetic; elsewhere, and in the interpreter, it is an ordinary load.
+    """
+    return desc.load([off_z, off_h, row, 0]).reshape(BLOCK, HEAD_DIM)
+
+
+@triton.jit
+def _probabilities(qk, m_i, qk_scale, keys, offs_m, N_K, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Raw scores q·kᵀ of one tile to (p, m_new): the running max over this tile too, and p = exp2(s2 - m_new).
+
+    Scores are kept in base-2 units: s2 = q·k · sm_scale · log2(e), so exp(s) = exp2(s2) and the scale
+    costs one multiply-add per score. MASKED tiles (the last, partial one; the causal diagonal) set the
+    scores of keys past N_K, or after the query, to -inf; the others need no mask at all.
+    """
+    if MASKED:
+        keep = keys[None, :] < N_K
+        if CAUSAL:
+            keep = keep & (keys[None, :] <= offs_m[:, None])               # top-left: key j <= query i
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        qk -= m_new[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_new[:, None]
+    # Every row has seen key 0 by its first tile, so m_new is finite and -inf - m_new is -inf: p = 0.
+    return tl.math.exp2(qk), m_new
+
+
+@triton.jit
+def _accumulate(acc, l_i, m_i, m_new, p, v):
+    """Rescale the running sums from max m_i to m_new, then add this tile's p and p @ v."""
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n, lo, hi, N_K,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """The inner loop: fold the key tiles lo, lo + BLOCK_N, ... < hi into the running (acc, l_i, m_i).
 
-    Scores are kept in base-2 units: s2 = q·k · sm_scale · log2(e), so exp(s) = exp2(s2) and the
-    scale costs one multiply-add per score. MASKED tiles (the last, partial one; the causal diagonal)
-    set the scores of keys past N_K, or after the query, to -inf; the others need no mask at all.
+    Software-pipelined by hand: each iteration takes the softmax of scores the previous one computed,
+    then issues the next tile's q kᵀ, then this tile's p @ v. On an H100 a warpgroup matmul is
+    asynchronous, and the p @ v is waited for only when the next q kᵀ is: the next softmax, which needs
+    neither, runs on the other units meanwhile. The loop stops one tile early; the last tile's softmax
+    and p @ v come after it.
     """
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        if MASKED:
-            keys = start_n + offs_n                                        # (BLOCK_N,)
-            k = tl.load(k_ptrs, mask=keys[:, None] < N_K, other=0.0)       # (BLOCK_N, HEAD_DIM)
-        else:
-            k = tl.load(k_ptrs)
-        qk = tl.dot(q, tl.trans(k))                                        # (BLOCK_M, BLOCK_N), fp32
-        if MASKED:
-            keep = keys[None, :] < N_K
-            if CAUSAL:
-                keep = keep & (keys[None, :] <= offs_m[:, None])           # top-left: key j <= query i
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            qk -= m_ij[:, None]
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_ij[:, None]
-        # Every row has seen key 0 by its first tile, so m_ij is finite and -inf - m_ij is -inf: p = 0.
-        p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_ij)                                   # rescales the old sums
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=keys[:, None] < N_K, other=0.0)       # 0, not garbage: 0 * NaN is NaN
-        else:
-            v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_ij
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    if lo < hi:
+        last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N                     # the start of the last tile
+        qk = tl.dot(q, tl.trans(_load_tile(k_desc, off_z, off_h, lo, BLOCK_N, HEAD_DIM)))
+        for start_n in range(lo, last, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            p, m_new = _probabilities(qk, m_i, qk_scale, start_n + offs_n, offs_m, N_K, MASKED, CAUSAL)
+            qk = tl.dot(q, tl.trans(_load_tile(k_desc, off_z, off_h, start_n + BLOCK_N, BLOCK_N, HEAD_DIM)))
+            acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, _load_tile(v_desc, off_z, off_h, start_n, BLOCK_N, HEAD_DIM))
+        p, m_new = _probabilities(qk, m_i, qk_scale, last + offs_n, offs_m, N_K, MASKED, CAUSAL)
+        acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, _load_tile(v_desc, off_z, off_h, last, BLOCK_N, HEAD_DIM))
     return acc, l_i, m_i
 
 
@@ -225,10 +247,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, qk_sca
 # arguments by whether they are 1 or multiples of 16) would only cost compile time; nothing in the
 # unmasked loop depends on them.
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
-def flash_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
-                           stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                           stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
-                           H, N_Q, N_K,
+def flash_attention_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CAUSAL: tl.constexpr):
     # program (query tile, batch·head); causal tiles near the end have the most keys: start them first
@@ -236,19 +255,12 @@ def flash_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
     if CAUSAL:
         start_m = tl.num_programs(0) - 1 - start_m
     off_hz = tl.program_id(1)
-    off_z = (off_hz // H).to(tl.int64)  # int64: off_z * stride_qz can pass 2^31 on long sequences
-    off_h = (off_hz % H).to(tl.int64)
-    q_ptr += off_z * stride_qz + off_h * stride_qh
-    k_ptr += off_z * stride_kz + off_h * stride_kh
-    v_ptr += off_z * stride_vz + off_h * stride_vh
-    o_ptr += off_z * stride_oz + off_h * stride_oh
+    off_z = off_hz // H
+    off_h = off_hz % H
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < N_Q, other=0.0)
-    k_ptrs = k_ptr + offs_n[:, None] * stride_kn + offs_d[None, :]         # (BLOCK_N, HEAD_DIM)
-    v_ptrs = v_ptr + offs_n[:, None] * stride_vn + offs_d[None, :]
+    q = _load_tile(q_desc, off_z, off_h, start_m * BLOCK_M, BLOCK_M, HEAD_DIM)  # rows past N_Q read 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)              # running max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                            # running sum of exp2
@@ -263,42 +275,47 @@ def flash_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
     else:
         n_end = N_K
         n_full = n_whole
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, qk_scale, offs_m, offs_n,
-                                  0, n_full, N_K, BLOCK_N, False, CAUSAL)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, qk_scale, offs_m, offs_n,
-                                  n_full, n_end, N_K, BLOCK_N, True, CAUSAL)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+                                  0, n_full, N_K, BLOCK_N, HEAD_DIM, False, CAUSAL)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+                                  n_full, n_end, N_K, BLOCK_N, HEAD_DIM, True, CAUSAL)
 
     # epilogue: normalise once, and keep log Σ exp(s) (natural log) for the backward pass
-    rows = offs_m < N_Q
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    tl.store(lse_ptr + off_hz * N_Q + offs_m, lse, mask=rows)
-    o = acc / l_i[:, None]
-    tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rows[:, None])
+    tl.store(lse_ptr + off_hz * N_Q + offs_m, lse, mask=offs_m < N_Q)
+    o = (acc / l_i[:, None]).to(o_desc.dtype)
+    o_desc.store([off_z, off_h, start_m * BLOCK_M, 0], o.reshape(1, 1, BLOCK_M, HEAD_DIM))  # rows past N_Q: not written
+
+
+def _set_block_shapes(nargs):
+    """The autotuner's pre-hook: the tensor descriptors read tiles of the config's sizes."""
+    bm, bn, d = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["HEAD_DIM"]
+    nargs["q_desc"].block_shape = nargs["o_desc"].block_shape = [1, 1, bm, d]
+    nargs["k_desc"].block_shape = nargs["v_desc"].block_shape = [1, 1, bn, d]
 
 
 def _config(block_m, block_n, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages,
+                         pre_hook=_set_block_shapes)
 
 
-# The autotuner's candidates. Triton's fused-attention tutorial tunes 128-query tiles on an H100, with
-# 64- or 128-key tiles and 2 to 4 pipeline stages. Compiled for sm_90, a 128 x 64 tile with d = 64
-# fits in 4 warps (one warpgroup, ~255 registers a thread) or 8; with d = 128 it needs 8 warps, since
-# 4 spill registers to memory. The 64-query tiles are for GPUs with less shared memory (chosen by
-# _prune), and for short sequences. A config that does not fit a GPU fails to compile and is skipped.
+# The autotuner's candidates, from sweeps on an H100 and an H200. With d = 64, 128 x 64 tiles win, in
+# 4 warps (one warpgroup) or 8. With d = 128, 128 x 128 tiles in 8 warps and 2 stages won at every
+# sequence length (3 stages of 128-row K and V tiles no longer fit in shared memory), so a large GPU
+# tries only that: timing slower candidates for 40 ms each only gives the autotuner's noise a chance to
+# pick one. The 64-query tiles are for GPUs with less shared memory (chosen by _prune).
 FWD_CONFIGS = [
     _config(128, 64, 4, 3),
-    _config(128, 64, 4, 4),
     _config(128, 64, 8, 3),
     _config(128, 64, 8, 4),
-    _config(128, 64, 8, 2),
-    _config(128, 128, 8, 3),
+    _config(128, 128, 8, 2),
     _config(64, 64, 4, 3),
     _config(64, 32, 4, 2),
 ]
-# Which candidates a large GPU tries for each head dim (keys of the configs above): four compilations.
+# Which candidates a large GPU tries for each head dim (keys of the configs above).
 _TRIED = {
-    64: {(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)},
-    128: {(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 3)},
+    64: {(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)},
+    128: {(128, 128, 8, 2)},
 }
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
@@ -308,8 +325,9 @@ def _key(c: triton.Config) -> tuple:
 
 
 def _smem_bytes(c: triton.Config, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory a config needs, roughly: the query tile plus num_stages K and V tiles."""
-    return itemsize * head_dim * (c.kwargs["BLOCK_M"] + 2 * c.num_stages * c.kwargs["BLOCK_N"])
+    """Shared memory a config needs, roughly: the query tile, num_stages K and V tiles, and a tile of p."""
+    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+    return itemsize * (head_dim * (bm + 2 * c.num_stages * bn) + bm * bn)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -354,6 +372,15 @@ def _tuned_kernel():
     return _tuned
 
 
+def _descriptor_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself if a tensor descriptor can read it (last stride 1, 16-byte aligned start and strides), else
+    a contiguous copy."""
+    size = t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None, config: dict | None = None):
     """FlashAttention forward: ``(o, lse)`` for ``q`` (B, H, N_Q, d) and ``k``, ``v`` (B, H, N_K, d).
 
@@ -368,18 +395,18 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
     assert k.shape == v.shape == (B, H, n_k, d), f"k and v must be (B, H, N_K, d) = {(B, H, n_k, d)}"
     assert q.dtype == k.dtype == v.dtype, "q, k and v must share one dtype"
     assert d in (16, 32, 64, 128, 256), f"head dim {d}: this kernel takes a power of two from 16 to 256"
-    assert n_k >= 1, "no keys to attend to"
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert n_q >= 1 and n_k >= 1, "no queries, or no keys to attend to"
+    q, k, v = (_descriptor_ready(t) for t in (q, k, v))
+    o = torch.empty((B, H, n_q, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
-    qk_scale = _scale(q, sm_scale) * LOG2E
-    args = (q, k, v, o, lse, qk_scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, n_q, n_k)
-    if config is None and world().gpu:
+    tuned = config is None and world().gpu
+    cfg = None if tuned else {**INTERPRETER_CONFIG, **(config or {})}
+    bm, bn = (16, 16) if tuned else (cfg["BLOCK_M"], cfg["BLOCK_N"])  # when tuned, each config sets its own
+    descs = [TensorDescriptor.from_tensor(t, [1, 1, b, d]) for t, b in ((q, bm), (k, bn), (v, bn), (o, bm))]
+    args = (*descs, lse, _scale(q, sm_scale) * LOG2E, H, n_q, n_k)
+    if tuned:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
         _tuned_kernel()[grid](*args, HEAD_DIM=d, CAUSAL=causal)
     else:
-        cfg = {**INTERPRETER_CONFIG, **(config or {})}
-        grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
-        flash_attention_kernel[grid](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        flash_attention_kernel[(triton.cdiv(n_q, bm), B * H)](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
     return o, lse
