@@ -399,14 +399,16 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
     q, k, v = (_descriptor_ready(t) for t in (q, k, v))
     o = torch.empty((B, H, n_q, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
-    tuned = config is None and world().gpu
-    cfg = None if tuned else {**INTERPRETER_CONFIG, **(config or {})}
-    bm, bn = (16, 16) if tuned else (cfg["BLOCK_M"], cfg["BLOCK_N"])  # when tuned, each config sets its own
-    descs = [TensorDescriptor.from_tensor(t, [1, 1, b, d]) for t, b in ((q, bm), (k, bn), (v, bn), (o, bm))]
-    args = (*descs, lse, _scale(q, sm_scale) * LOG2E, H, n_q, n_k)
-    if tuned:
+    # block shapes are placeholders until _set_block_shapes gives each descriptor its config's tile
+    descs = {name: TensorDescriptor.from_tensor(t, [1, 1, 16, d])
+             for name, t in (("q_desc", q), ("k_desc", k), ("v_desc", v), ("o_desc", o))}
+    args = (*descs.values(), lse, _scale(q, sm_scale) * LOG2E, H, n_q, n_k)
+    if config is None and world().gpu:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _tuned_kernel()[grid](*args, HEAD_DIM=d, CAUSAL=causal)
+        _tuned_kernel()[grid](*args, HEAD_DIM=d, CAUSAL=causal)  # each config's pre-hook sets the shapes
     else:
-        flash_attention_kernel[(triton.cdiv(n_q, bm), B * H)](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        cfg = {**INTERPRETER_CONFIG, **(config or {})}
+        _set_block_shapes({**descs, **cfg, "HEAD_DIM": d})
+        grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
+        flash_attention_kernel[grid](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
     return o, lse
