@@ -1,25 +1,27 @@
-"""Grade exercise notebooks: ``python -m kernelcourse.grade NOTEBOOK... [--json]`` (or ``make grade NB=...``).
+"""Grade exercise notebooks: ``python -m kernelcourse.grade NOTEBOOK... [--json]`` (or ``make grade``).
 
-Each notebook runs top to bottom through nbval (``pytest --nbval-lax``) in a fresh kernel; the output
-of every grader cell is collected into a report: chapter, exercise, pass or fail, and the grader's
-message. The notebooks themselves are only read, never written. An exercise with a speed check that
-this machine cannot make (no GPU) shows as "not graded", never as passed. The exit status is 0 when
-no exercise failed, 1 otherwise, so CI can use it.
+Each notebook runs top to bottom in a fresh kernel through nbclient (Jupyter's own executor: the
+package declares it, so nothing else is needed); a cell that raises does not stop the run, as in
+Jupyter's "Run all" with errors allowed. What every grader cell printed is collected into a report:
+chapter, exercise, pass or fail, and the grader's message. The notebooks themselves are only read,
+never written. An exercise with a speed check that this machine cannot make (no GPU) shows as "not
+graded", never as passed. The exit status is 0 when no exercise failed, 1 otherwise, so CI can use it.
+
+Inside a notebook (on Colab, say), ``kc.grading.report()`` prints the same table for the grader
+cells already run in that notebook, without running anything again.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import re
+import subprocess
 import sys
 import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import nbformat
-import pytest
 
 MESSAGE_WIDTH = 90  # the report's message column wraps here, so a terminal shows it whole
 GRADER = re.compile(r"""kc\.grading\.check\(\s*["'](\d\d\.\d+)["']\s*,\s*globals\(\)\s*\)""")
@@ -34,35 +36,59 @@ class Row:
     not_graded: bool = False  # every check made here passed, and some could not be made here (speed on the CPU)
 
 
-class _Collector:
-    """A pytest plugin that keeps what each grader cell printed and whether it passed."""
-
-    def __init__(self):
-        self.cells: dict[tuple[str, str], tuple[bool, str]] = {}
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        outcome = yield
-        report = outcome.get_result()
-        if report.when != "call" or not hasattr(item, "cell"):
-            return
-        text = "".join(o.get("text", "") for o in (item.test_outputs or []) if o.get("output_type") == "stream")
-        if report.failed and not text.strip():
-            text = _failure_summary(str(report.longrepr))
-        self.cells[(Path(str(item.fspath)).resolve().as_posix(), _key(item.cell))] = (report.passed, text)
+INSTALL_HINT = ("grading a notebook from the command line needs nbclient and ipykernel: "
+                "run `pip install nbclient ipykernel` and try again")
 
 
-def _key(cell) -> str:
-    return cell.get("id") or cell.source
+def _stream_text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
 
 
-def _failure_summary(longrepr: str) -> str:
-    if "Timeout" in longrepr:
+def _error(cell) -> dict | None:
+    return next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), None)
+
+
+def _failure_summary(error: dict | None) -> str:
+    if error is None:
+        return "the cell failed"
+    if error.get("ename") == "KeyboardInterrupt":
         return "the cell ran past the time limit: is there a loop that never ends?"
-    if "Kernel dead" in longrepr or "died" in longrepr.lower():
-        return "the notebook's kernel crashed (an out-of-bounds access can do this); later cells could not run"
-    last = [line for line in longrepr.splitlines() if line.strip()]
-    return last[-1].strip() if last else "the cell failed"
+    evalue = (error.get("evalue") or "").strip().splitlines()
+    return f"{error.get('ename', 'Error')}: {evalue[0]}" if evalue else error.get("ename", "the cell failed")
+
+
+def run_notebook(path: Path, cell_timeout: int = 600) -> tuple[dict[int, tuple[bool, str]], str | None]:
+    """Execute a copy of the notebook at ``path`` in a fresh kernel, in the notebook's folder.
+
+    Returns {code cell index: (passed, what it printed or why it failed)} for the cells that ran, and a
+    line saying why the run stopped early (the kernel died), or None.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=cell_timeout, interrupt_on_timeout=True, allow_errors=True,
+                            kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    results: dict[int, tuple[bool, str]] = {}
+    stopped = None
+    # The kernel process's own log (a warning about local TCP ports) is noise here: what learner code
+    # prints reaches the cells' outputs, not this stream.
+    with client.setup_kernel(stderr=subprocess.DEVNULL):
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            try:
+                client.execute_cell(cell, index)
+            except DeadKernelError:
+                stopped = ("the notebook's kernel crashed (an out-of-bounds access can do this); "
+                           "later cells could not run")
+                break
+            error = _error(cell)
+            text = _stream_text(cell)
+            if error is not None and not text.strip():
+                text = _failure_summary(error)
+            results[index] = (error is None, text)
+    return results, stopped
 
 
 def _lines(text: str) -> list[str]:
@@ -86,26 +112,22 @@ def _message(passed: bool, text: str) -> str:
 
 
 def grade(paths: list[Path], cell_timeout: int = 600) -> list[Row]:
-    collector = _Collector()
-    args = ["-p", "no:cacheprovider", "-q", "--no-header", "--tb=no", "-p", "no:warnings",
-            "--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={cell_timeout}",
-            *[str(p) for p in paths]]
-    with contextlib.redirect_stdout(io.StringIO()):
-        pytest.main(args, plugins=[collector])
     rows = []
     for path in paths:
+        path = Path(path)
+        results, stopped = run_notebook(path, cell_timeout)
         nb = nbformat.read(path, as_version=4)
         code_cells = [c for c in nb.cells if c.cell_type == "code"]
         seen = set()
-        for cell in nb.cells:
+        for index, cell in enumerate(nb.cells):
             match = GRADER.search(cell.source) if cell.cell_type == "code" else None
             if not match:
                 continue
             ex = match.group(1)
             seen.add(ex)
-            result = collector.cells.get((path.resolve().as_posix(), _key(cell)))
+            result = results.get(index)
             if result is None:
-                rows.append(Row(path.stem, ex, False, "the grader cell did not run"))
+                rows.append(Row(path.stem, ex, False, stopped or "the grader cell did not run"))
             else:
                 skipped = _not_graded(*result)
                 rows.append(Row(path.stem, ex, result[0] and not skipped, _message(*result), skipped))
@@ -156,6 +178,12 @@ def main(argv=None) -> int:
     missing = [p for p in args.notebooks if not p.exists()]
     if missing:
         print(f"no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    try:
+        import ipykernel  # noqa: F401  (the kernel the notebooks run in)
+        import nbclient  # noqa: F401
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
         return 2
     rows = grade(args.notebooks, args.cell_timeout)
     if args.json:

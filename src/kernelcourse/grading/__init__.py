@@ -161,6 +161,7 @@ def check(exercise_id: str, namespace: dict) -> None:
             _grade_in_child(ex, objects, report)
         else:
             _grade_here(ex, objects, report)
+    _RESULTS[ex.id] = (report.failures == 0, report.skipped > 0, "\n".join(report.lines))  # for report()
     if report.failures:
         raise GradeFailure(f"exercise {ex.id} ({ex.title}): {report.failures} check(s) failed")
     if report.skipped:
@@ -398,3 +399,42 @@ def speed_vs_roof(report: Report, what: str, fn, nbytes: float, at_least: float)
         f"{what}: {gbs:.0f} GB/s, {fraction:.0%} of a copy's bandwidth measured now; needs at least "
         f"{at_least:.0%}: is each element read once, and are loads and stores contiguous?",
     )
+
+
+# ---- the whole notebook's report, inside the notebook ---------------------------------------------
+
+_RESULTS: dict[str, tuple[bool, bool, str]] = {}  # exercise id -> (passed, not graded here, its lines)
+
+
+def report(chapter: str | None = None) -> bool:
+    """Print this notebook's grade report: the table and score of ``make grade``, made from the grader
+    cells already run in this kernel (nothing runs again, and nothing beyond the package is needed, so
+    it works on Colab). Exercises whose grader cell has not run yet are listed as failed, saying so.
+
+    ``chapter`` ("01") defaults to the chapters of the grader cells run so far. Returns True when no
+    exercise failed or is missing.
+    """
+    from ..grade import GRADER, Row, _message, render
+
+    chapters = {chapter} if chapter else {k.split(".")[0] for k in _RESULTS}
+    try:  # grader cells typed into this notebook, run or not
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        chapters |= {m.split(".")[0] for m in GRADER.findall("\n".join(shell.user_ns.get("In", [])))} if shell else set()
+    except ImportError:
+        pass
+    if not chapters:
+        print("No grader cell has run in this notebook yet: run its cells (on Colab: Runtime → Run all), "
+              "then call kc.grading.report() again.")
+        return False
+    rows = []
+    for ch in sorted(chapters):
+        for ex in exercises(ch):
+            if ex.id not in _RESULTS:
+                rows.append(Row(ch, ex.id, False, "not run yet: run the exercise's cells and the grader cell under it"))
+                continue
+            passed, skipped, lines = _RESULTS[ex.id]
+            rows.append(Row(ch, ex.id, passed and not skipped, _message(passed, lines), passed and skipped))
+    print(render(rows))
+    return all(r.passed or r.not_graded for r in rows)
