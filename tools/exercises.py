@@ -3,20 +3,33 @@
 In a solution notebook, an answer sits between ``### BEGIN SOLUTION`` and ``### END SOLUTION``
 (nbgrader's markers). The generated exercise keeps everything else, replaces each answer with a stub
 that says roughly how long the answer is, clears all outputs, and starts with a note that it is
-generated. Inside a ``@cuda.jit`` or ``@triton.jit`` kernel the stub is ``pass`` (a kernel cannot
+generated in its metadata. Inside a ``@cuda.jit`` or ``@triton.jit`` kernel the stub is ``pass`` (a kernel cannot
 raise); elsewhere it raises ``NotImplementedError``.
 
     python tools/exercises.py          # write exercises/
     python tools/exercises.py --check  # exit 1 if exercises/ is not what this would write
+    python tools/exercises.py --mywork # copy each exercise into mywork/ unless it is there already
+
+Nothing a learner wrote is overwritten. Learners work in ``mywork/`` (git ignores it, and nothing here
+writes over a notebook in it). An exercise notebook in ``exercises/`` whose cells differ from the stub
+it was generated as (its metadata keeps a hash of the generated cells) holds someone's answers: it is
+not overwritten, and ``--force`` first moves it into ``mywork/``.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import json
 import re
+import shutil
+import subprocess
 import sys
+import time
 
 import nbformat
+
+from pathlib import Path
 
 from notebooks import ROOT, all_notebooks, dumps, read
 
@@ -71,15 +84,33 @@ def strip_solutions(source: str, markdown: bool = False) -> str:
     return "\n".join(out)
 
 
+MYWORK = ROOT / "mywork"  # the learner's own copies; in .gitignore, and never written over
+
+
 def note_cell(stem: str):
     cell = nbformat.v4.new_markdown_cell(
-        f"> **Your exercise notebook.** Fill in the cells marked `YOUR CODE HERE` and run the grader cell "
-        f"under each; `make grade NB=exercises/{stem}.ipynb` grades the whole notebook. It is generated from "
-        f"`solutions/{stem}.ipynb` by `tools/exercises.py`: course maintainers edit that notebook, then run "
-        "`make exercises`."
+        "> **Your exercise notebook.** Fill in the cells marked `YOUR CODE HERE` and run the grader cell "
+        "under each one. The last cell, `kc.grading.report()`, shows your score for the whole notebook. "
+        "On your own machine, work in your copy in `mywork/` (`make mywork` makes it; no course command "
+        f"ever writes over it) and grade it with `make grade NB=mywork/{stem}.ipynb`."
     )
-    cell.id = "generated-note"
+    cell.id = "learner-note"
     return cell
+
+
+def report_cells():
+    title = nbformat.v4.new_markdown_cell("## Your score\n\nEvery exercise of this notebook, from the grader "
+                                          "cells you have run (run them all first).")
+    title.id = "score-title"
+    code = nbformat.v4.new_code_cell("kc.grading.report()")
+    code.id = "score"
+    return [title, code]
+
+
+def cells_hash(nb) -> str:
+    """What a learner edits: the cells' types and sources (outputs and metadata aside)."""
+    cells = [(c.cell_type, c.source) for c in nb.cells]
+    return hashlib.sha256(json.dumps(cells).encode()).hexdigest()[:16]
 
 
 TITLE = re.compile(r"^(# .*):\s*solutions\s*$", re.MULTILINE | re.IGNORECASE)
@@ -109,41 +140,105 @@ def generate() -> dict:
     result = {}
     for path in all_notebooks(("solutions",)):
         nb = exercise_notebook(read(path))
-        nb.cells.insert(0, note_cell(path.stem))
+        # the note goes under the title, so a page opens with the chapter's name
+        title = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and
+                      c.source.lstrip().startswith("# ")), -1)
+        nb.cells.insert(title + 1, note_cell(path.stem))
+        nb.cells += report_cells()
+        nb.metadata["kernelcourse"] = {"generated_from": f"solutions/{path.name}", "cells": cells_hash(nb)}
         result[ROOT / "exercises" / path.name] = dumps(nb)
     return result
 
 
-def _worked_in(path) -> bool:
-    """A generated exercise has no outputs; one that has them holds a learner's work."""
-    return any(c.cell_type == "code" and (c.outputs or c.execution_count) for c in read(path).cells)
+def edited(path) -> str | None:
+    """Why the exercise notebook at ``path`` holds someone's work, or None if it is as generated."""
+    nb = read(path)
+    if any(c.cell_type == "code" and (c.outputs or c.execution_count) for c in nb.cells):
+        return "it has outputs, so someone has run it"
+    stamp = nb.metadata.get("kernelcourse", {}).get("cells")
+    if stamp is None:  # written by an older generator: as committed in git, or possibly someone's answers
+        if _committed(path) == path.read_bytes():
+            return None
+        return "it differs from the repository's copy and does not say what it was generated as"
+    if stamp != cells_hash(nb):
+        return "its cells differ from the stub it was generated as, so it holds someone's answers"
+    return None
+
+
+def _committed(path) -> bytes | None:
+    """The file as the repository's last commit has it (None without git or outside a clone)."""
+    try:
+        rel = path.relative_to(ROOT).as_posix()
+        done = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{rel}"], capture_output=True, timeout=30)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _safe_name(stem: str) -> Path:
+    target = MYWORK / f"{stem}.ipynb"
+    if target.exists():
+        target = MYWORK / f"{stem}.{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
+    return target
+
+
+def mywork() -> int:
+    """Copy every exercise into mywork/ unless a copy is there already."""
+    MYWORK.mkdir(exist_ok=True)
+    for path in all_notebooks(("exercises",)):
+        target = MYWORK / path.name
+        if target.exists():
+            print(f"kept   {target.relative_to(ROOT)} (yours; never overwritten)")
+        else:
+            shutil.copyfile(path, target)
+            print(f"copied {target.relative_to(ROOT)}")
+    print("Work in mywork/, and grade with `make grade` (all of mywork/) or `make grade NB=mywork/NN_slug.ipynb`.")
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 if exercises/ is out of date")
-    ap.add_argument("--force", action="store_true", help="overwrite exercise notebooks that hold outputs")
+    ap.add_argument("--force", action="store_true",
+                    help="regenerate exercise notebooks that hold someone's work, after moving them into mywork/")
+    ap.add_argument("--mywork", action="store_true", help="copy each exercise into mywork/ unless it is there")
     args = ap.parse_args()
+    if args.mywork:
+        return mywork()
     wanted = generate()
     stale = [p for p, text in wanted.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
     extra = [p for p in all_notebooks(("exercises",)) if p not in wanted]
     if args.check:
         for p in stale:
-            print(f"{p.relative_to(ROOT)} is not what solutions/{p.name} generates: run `make exercises`")
+            why = edited(p) if p.exists() else None
+            if why:
+                print(f"{p.relative_to(ROOT)}: {why}. Keep your answers in mywork/ instead: "
+                      f"`mkdir -p mywork && mv {p.relative_to(ROOT)} mywork/`, then `make exercises`.")
+            else:
+                print(f"{p.relative_to(ROOT)} is not what solutions/{p.name} generates: run `make exercises`")
         for p in extra:
             print(f"{p.relative_to(ROOT)} has no solutions/{p.name}")
         return 1 if stale or extra else 0
     (ROOT / "exercises").mkdir(exist_ok=True)
+    kept = 0
     for p in stale:
-        if p.exists() and not args.force and _worked_in(p):
-            print(f"not overwriting {p.relative_to(ROOT)}: it has outputs, so someone has worked in it. "
-                  "Copy your work elsewhere, then run `python tools/exercises.py --force`.")
+        why = edited(p) if p.exists() else None
+        if why and not args.force:
+            kept += 1
+            print(f"not overwriting {p.relative_to(ROOT)}: {why}. Move it into mywork/ "
+                  f"(`mkdir -p mywork && mv {p.relative_to(ROOT)} mywork/`), then run `make exercises` again; "
+                  "or run `python tools/exercises.py --force`, which moves it there for you.")
             continue
+        if why:
+            MYWORK.mkdir(exist_ok=True)
+            backup = _safe_name(p.stem)
+            shutil.move(p, backup)
+            print(f"moved {p.relative_to(ROOT)} to {backup.relative_to(ROOT)} (it held someone's work)")
         p.write_text(wanted[p], encoding="utf-8")
         print(f"wrote {p.relative_to(ROOT)}")
     for p in extra:
         print(f"warning: {p.relative_to(ROOT)} has no solutions/{p.name}; remove it by hand")
-    return 0
+    return 1 if kept else 0
 
 
 if __name__ == "__main__":
