@@ -6,14 +6,15 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 NB ?=
 
-.PHONY: help install book test lab grade exercises stamp clean
+.PHONY: help install book test lab mywork grade exercises stamp clean
 
 help:
 	@echo "make book       build the website into _build/html"
 	@echo "make test       everything CI checks"
 	@echo "make lab        JupyterLab on the course"
-	@echo "make grade NB=exercises/01_vector_add.ipynb   grade your notebook(s)"
-	@echo "make exercises  regenerate exercises/ from solutions/ (maintainers)"
+	@echo "make mywork     copy the exercises into mywork/, your own folder (never overwritten)"
+	@echo "make grade      grade every notebook in mywork/ (or: make grade NB=mywork/01_vector_add.ipynb)"
+	@echo "make exercises  regenerate exercises/ from solutions/ (maintainers; never overwrites anyone's answers)"
 	@echo "make stamp      execute and stamp every lesson on this machine's GPU, refreshing recorded results"
 
 # .venv is created once and reinstalled whenever requirements.txt or pyproject.toml change.
@@ -26,10 +27,13 @@ $(INSTALLED): requirements.txt pyproject.toml
 
 install: $(INSTALLED)
 
+# The build's log goes to _build/book.log and is shown only when something went wrong.
+BUILD_SITE = mkdir -p _build && $(BIN)/python tools/landing_figure.py > _build/book.log && \
+	$(BIN)/jupyter-book build . -W -n --keep-going -q >> _build/book.log 2>&1 || \
+	{ cat _build/book.log; echo "The website did not build: the messages above say why."; exit 1; }
+
 book: $(INSTALLED)
-	$(BIN)/python tools/landing_figure.py
-	$(BIN)/jupyter-book build . -W -n --keep-going
-	@echo ""
+	@$(BUILD_SITE)
 	@echo "The website is built. Open: file://$(CURDIR)/_build/html/index.html"
 
 test: $(INSTALLED)
@@ -38,16 +42,20 @@ test: $(INSTALLED)
 	$(BIN)/python tools/stamp.py --check notebooks/*.ipynb
 	$(BIN)/python -m pytest tests notebooks solutions --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=600 -q
-	$(BIN)/python tools/landing_figure.py
-	$(BIN)/jupyter-book build . -W -n --keep-going -q
+	@$(BUILD_SITE)
 	$(BIN)/python tools/check_site.py
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab
 
+# Learners work in mywork/ (git ignores it); nothing here ever writes over a notebook in it.
+mywork: $(INSTALLED)
+	@$(BIN)/python tools/exercises.py --mywork
+
 grade: $(INSTALLED)
-	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/01_vector_add.ipynb"; exit 2; }
-	$(BIN)/python -m kernelcourse.grade $(NB)
+	@nbs="$(NB)"; test -n "$$nbs" || nbs="$$(ls mywork/[0-9][0-9]_*.ipynb 2>/dev/null)"; \
+	test -n "$$nbs" || { echo "Nothing to grade in mywork/: run 'make mywork', solve the exercises there, then 'make grade' (or: make grade NB=path/to/notebook.ipynb)."; exit 2; }; \
+	$(BIN)/python -m kernelcourse.grade $$nbs
 
 exercises: $(INSTALLED)
 	$(BIN)/python tools/notebooks.py

@@ -6,7 +6,14 @@ Serves the built site on localhost and drives Debian's Chromium through Playwrig
 download). For every page: it loads with no console error and no request leaving localhost, every
 image loads, math is typeset by MathJax, every internal link and anchor resolves, and every notebook
 page's Colab button points at that notebook in the course's repository. Full-text search must find
-a word from the course. Screenshots of the landing page and of chapter 01 go to _build/screenshots/.
+a word from the course.
+
+Then every page again as a reader uses it, at a desktop (1400 x 900) and a phone (390 x 844) size:
+the chapter list (primary sidebar) and the page's contents (secondary sidebar) open with their
+toggle buttons and can be seen; there is one search box and no top bar covering the sidebar; on the
+phone no page scrolls sideways; every notebook page shows a visible "Open in Colab" link to that
+notebook; and no page holds text meant for the course's maintainers. A screenshot of every page at
+both sizes, and of the sidebars opened on the phone, goes to _build/screenshots/.
 """
 from __future__ import annotations
 
@@ -26,6 +33,11 @@ from notebooks import ROOT, config
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SKIP = ("_static/", "_sources/", "_images/", "_sphinx_design_static/", "_panels_static/")
+VIEWPORTS = {"desktop": {"width": 1400, "height": 900}, "phone": {"width": 390, "height": 844}}
+COLAB_LABEL = "Open in Colab"
+# Text for the people who build the course, not for learners: it must not reach a page.
+MAINTAINER_TEXT = re.compile(r"\bmaintainers?\b|\bTODO\b|\bFIXME\b|\bXXX\b|\bissue #?\d+|do not edit|"
+                             r"generated (?:by|from) `?(?:tools|solutions)/|\bgenerated-note\b", re.IGNORECASE)
 
 
 def chromium() -> str | None:
@@ -87,9 +99,108 @@ def expected_colab(rel_page: str) -> str:
     return f"https://colab.research.google.com/github/{slug}/blob/{repo.get('branch', 'main')}/{notebook}"
 
 
+SIDEBARS = {"primary": ".bd-sidebar-primary", "secondary": ".bd-sidebar-secondary"}
+
+SHOWN_JS = """sel => { const e = document.querySelector(sel); if (!e) return false;
+  const r = e.getBoundingClientRect(), s = getComputedStyle(e);
+  return r.width > 40 && r.height > 40 && r.right > 40 && r.left < window.innerWidth - 40
+         && s.visibility !== 'hidden' && s.display !== 'none' && parseFloat(s.opacity || '1') > 0.5; }"""
+
+TOGGLE_JS = """kind => Array.from(document.querySelectorAll('button.' + kind + '-toggle, label.' + kind + '-toggle'))
+  .filter(b => { const r = b.getBoundingClientRect(); return r.width > 0 && r.height > 0 &&
+                 getComputedStyle(b).visibility !== 'hidden'; }).length"""
+
+
+def _shown(page, selector: str) -> bool:
+    return page.evaluate(SHOWN_JS, selector)
+
+
+def _click_toggle(page, kind: str) -> None:
+    page.locator(f"button.{kind}-toggle:visible, label.{kind}-toggle:visible").first.click()
+    page.wait_for_timeout(450)  # the sidebar slides in
+
+
+def check_sidebars(page, shots: Path | None) -> list[str]:
+    """Open (or close and reopen) each sidebar with its toggle; it must end up on screen."""
+    problems = []
+    for kind, selector in SIDEBARS.items():
+        if kind == "secondary" and not page.evaluate("document.querySelectorAll('.bd-toc-nav a, "
+                                                     "#pst-page-navigation-heading-2').length"):
+            continue  # a page with no sections has no contents to show
+        shown = _shown(page, selector)
+        toggles = page.evaluate(TOGGLE_JS, kind)
+        if not toggles and shown:
+            continue  # always shown at this width, as the desktop contents sidebar is
+        if not toggles:
+            problems.append(f"the {kind} sidebar is hidden and no visible button opens it")
+            continue
+        try:
+            if shown:  # shown by default: the toggle must hide it, and bring it back
+                _click_toggle(page, kind)
+                if _shown(page, selector):
+                    problems.append(f"the {kind} sidebar toggle does not hide the sidebar")
+                _click_toggle(page, kind)
+            else:
+                _click_toggle(page, kind)
+            if not _shown(page, selector):
+                problems.append(f"the {kind} sidebar toggle does not open the {kind} sidebar")
+            elif shots is not None:
+                page.screenshot(path=str(shots.with_name(f"{shots.stem}-{kind}-open.png")))
+        except Exception as exc:  # a toggle that cannot be clicked is the same failure for a reader
+            problems.append(f"the {kind} sidebar toggle cannot be used: {str(exc).splitlines()[0]}")
+        page.reload(wait_until="load")
+    return problems
+
+
+READER_JS = """() => {
+  const shown = e => { const r = e.getBoundingClientRect(), s = getComputedStyle(e);
+                       return r.width > 0 && r.height > 0 && s.visibility !== 'hidden' && s.display !== 'none'; };
+  const header = document.querySelector('.bd-header');
+  const searches = Array.from(document.querySelectorAll('input[type=search], .search-button-field, '
+                                                        + 'button.search-button')).filter(shown).length;
+  const over = Array.from(document.querySelectorAll('.bd-article *')).filter(e =>
+      e.getBoundingClientRect().right > window.innerWidth + 1 && !e.closest('pre, .cell_output, .output, table,'
+        + ' .highlight, mjx-container, .MathJax, .table-wrapper, .pst-scrollable-table-container'))
+    .slice(0, 3).map(e => e.tagName.toLowerCase() + (e.className ? '.' + String(e.className).split(' ')[0] : '')
+                     + ' "' + (e.textContent || '').trim().slice(0, 40) + '"');
+  const colab = Array.from(document.querySelectorAll('a[href*="colab.research.google.com"]'))
+    .filter(a => shown(a) && a.textContent.includes('%s')).map(a => a.getAttribute('href'));
+  const article = document.querySelector('.bd-article') || document.body;
+  return {header: header && shown(header) ? header.getBoundingClientRect().height : 0, searches,
+          scrollWidth: document.documentElement.scrollWidth, width: window.innerWidth, over, colab,
+          text: article.innerText};
+}""" % COLAB_LABEL
+
+
+def check_as_reader(page, rel: str, viewport: str, shots: Path) -> list[str]:
+    problems = []
+    seen = page.evaluate(READER_JS)
+    if seen["header"] > 8:
+        problems.append(f"a {seen['header']:.0f} px top bar sits over the page (theme versions out of step?)")
+    if seen["searches"] > 1 and rel != "search.html":  # the search page adds its own box, by design
+        problems.append(f"{seen['searches']} search boxes are shown; one is enough")
+    if viewport == "phone" and seen["scrollWidth"] > seen["width"] + 1:
+        problems.append(f"the page scrolls sideways: {seen['scrollWidth']} px wide on a {seen['width']} px "
+                        f"screen; too wide: {'; '.join(seen['over']) or 'unknown'}")
+    if is_notebook_page(rel):
+        want = expected_colab(rel)
+        if want not in seen["colab"]:
+            problems.append(f"no visible '{COLAB_LABEL}' link to {want} (found {seen['colab'] or 'none'})")
+    found = sorted({m.group(0) for m in MAINTAINER_TEXT.finditer(seen["text"])})
+    if found:
+        problems.append(f"text meant for maintainers, not learners: {', '.join(map(repr, found))}")
+    page.screenshot(path=str(shots))
+    return problems + check_sidebars(page, shots if viewport == "phone" else None)
+
+
+def is_notebook_page(rel: str) -> bool:
+    return rel.split("/")[0] in ("notebooks", "solutions", "exercises") and rel.endswith(".html")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--html", type=Path, default=ROOT / "_build" / "html")
+    ap.add_argument("--pages", nargs="*", help="check only these pages (paths under the site, globs allowed)")
     args = ap.parse_args()
     browser_path = chromium()
     if browser_path is None:
@@ -104,6 +215,8 @@ def main() -> int:
         return 1
     html = args.html.resolve()
     pages = sorted(p for p in html.rglob("*.html") if not str(p.relative_to(html)).startswith(SKIP))
+    if args.pages:
+        pages = [p for p in pages if any(p.relative_to(html).match(g) for g in args.pages)]
     if not pages:
         print(f"no pages under {html}: run `make book` first")
         return 1
@@ -152,11 +265,17 @@ def main() -> int:
                 want = expected_colab(rel)
                 if want not in colab:
                     problems.append(f"Colab button should point at {want}, found {colab or 'none'}")
-            if rel == "book/intro.html":
-                page.screenshot(path=str(shots / "landing.png"), full_page=False)
-            if rel == "notebooks/01_vector_add.html":
-                page.screenshot(path=str(shots / "chapter01.png"), full_page=False)
             page.close()
+            for viewport, size in VIEWPORTS.items():
+                page = browser.new_page(viewport=size)
+                page.goto(origin + rel, wait_until="load")
+                page.wait_for_load_state("networkidle")
+                if page.evaluate("document.querySelectorAll('.math').length") > 0:
+                    page.wait_for_function("document.querySelectorAll('mjx-container').length > 0", timeout=15000)
+                (shots / viewport).mkdir(exist_ok=True)
+                name = Path(rel).with_suffix("").as_posix().replace("/", "_") + ".png"
+                problems += [f"{viewport}: {p}" for p in check_as_reader(page, rel, viewport, shots / viewport / name)]
+                page.close()
             status = "ok  " if not problems else "FAIL"
             failures += bool(problems)
             print(f"{status} {rel}" + "".join(f"\n       {p}" for p in problems))
