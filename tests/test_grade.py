@@ -1,0 +1,104 @@
+"""Grading wherever the notebooks run: in the notebook itself (Colab has no nbval), and from the
+command line without pytest or nbval."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+import kernelcourse as kc
+from kernelcourse.grade import grade, render
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _grid_size(n, block):
+    return (n + block - 1) // block
+
+
+def _grid_size_floor(n, block):
+    return n // block
+
+
+def test_report_in_the_notebook_matches_make_grade(capsys, monkeypatch):
+    monkeypatch.setattr(kc.grading, "_RESULTS", {})
+    kc.grading.check("01.2", {"grid_size": _grid_size})
+    try:
+        kc.grading.check("01.3", {})  # its names are not defined: the grader cell fails
+    except kc.grading.GradeFailure:
+        pass
+    capsys.readouterr()
+    assert kc.grading.report() is False
+    table = capsys.readouterr().out
+    assert re.search(r"^01\s+01\.2\s+pass\s+\d+ checks passed", table, re.M), table
+    assert re.search(r"^01\s+01\.3\s+FAIL\s+.*not defined", table, re.M), table
+    for ex in ("01.1", "01.4", "01.5"):
+        assert re.search(rf"^01\s+{re.escape(ex)}\s+FAIL\s+not run yet", table, re.M), table
+    assert table.strip().endswith("Score: 1/5 exercises passed"), table
+
+
+def test_report_before_any_grader_cell_says_what_to_do(capsys, monkeypatch):
+    monkeypatch.setattr(kc.grading, "_RESULTS", {})
+    assert kc.grading.report() is False
+    assert "Run all" in capsys.readouterr().out
+
+
+def test_report_counts_a_failed_answer(capsys, monkeypatch):
+    monkeypatch.setattr(kc.grading, "_RESULTS", {})
+    try:
+        kc.grading.check("01.2", {"grid_size": _grid_size_floor})
+    except kc.grading.GradeFailure:
+        pass
+    capsys.readouterr()
+    kc.grading.report("01")
+    table = capsys.readouterr().out
+    assert re.search(r"^01\s+01\.2\s+FAIL\s+grid_size", table, re.M), table
+    assert "Score: 0/5" in table
+
+
+def _small_notebook(path: Path, answer: str) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import kernelcourse as kc\nkc.setup(quiet=True)"),
+                nbformat.v4.new_code_cell(f"def grid_size(n, block):\n    {answer}"),
+                nbformat.v4.new_code_cell('kc.grading.check("01.2", globals())'),
+                nbformat.v4.new_code_cell("kc.grading.report()")]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_command_line_grades_without_pytest_or_nbval(tmp_path):
+    """The CLI runs notebooks through nbclient: with pytest and nbval made unimportable, it still grades."""
+    path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return (n + block - 1) // block")
+    code = ("import sys; sys.modules['pytest'] = None; sys.modules['nbval'] = None\n"
+            "from kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert re.search(r"01_vector_add\s+01\.2\s+pass", done.stdout), done.stdout + done.stderr
+    # the other four exercises have no grader cell here, so the run fails, and says why
+    assert done.returncode == 1 and "no grader cell" in done.stdout
+    assert "Score: 1/5 exercises passed" in done.stdout
+
+
+def test_command_line_without_nbclient_says_what_to_install(tmp_path):
+    path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return 1")
+    code = ("import sys; sys.modules['nbclient'] = None\n"
+            "from kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "pip install nbclient ipykernel" in done.stderr, done.stderr
+
+
+def test_a_crashing_cell_does_not_stop_grading(tmp_path):
+    path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return (n + block - 1) // block")
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(1, nbformat.v4.new_code_cell("raise RuntimeError('a mistake above the exercise')"))
+    nbformat.write(nb, path)
+    rows = {r.exercise: r for r in grade([path])}
+    assert rows["01.2"].passed, render(list(rows.values()))
