@@ -190,6 +190,8 @@ def check_as_reader(page, rel: str, viewport: str, shots: Path) -> list[str]:
     if found:
         problems.append(f"text meant for maintainers, not learners: {', '.join(map(repr, found))}")
     page.screenshot(path=str(shots))
+    if rel == "book/intro.html":  # the whole landing page, figure included, as a reader scrolls it
+        page.screenshot(path=str(shots.with_name(f"{shots.stem}-full.png")), full_page=True)
     return problems + check_sidebars(page, shots if viewport == "phone" else None)
 
 
