@@ -102,3 +102,14 @@ def test_a_crashing_cell_does_not_stop_grading(tmp_path):
     nbformat.write(nb, path)
     rows = {r.exercise: r for r in grade([path])}
     assert rows["01.2"].passed, render(list(rows.values()))
+
+
+def test_a_crash_of_the_kernel_is_named_and_earlier_grades_kept(tmp_path):
+    path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return (n + block - 1) // block")
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[3:3] = [nbformat.v4.new_code_cell("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"),
+                     nbformat.v4.new_code_cell('kc.grading.check("01.3", globals())')]
+    nbformat.write(nb, path)
+    rows = {r.exercise: r for r in grade([path])}
+    assert rows["01.2"].passed, render(list(rows.values()))
+    assert not rows["01.3"].passed and "kernel crashed" in rows["01.3"].message, render(list(rows.values()))
