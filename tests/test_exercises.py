@@ -26,7 +26,9 @@ def test_generated_stubs_fail_every_grader(stem):
 @pytest.mark.parametrize("stem", STEMS)
 def test_solutions_pass_every_grader(stem):
     rows = grade([ROOT / "solutions" / f"{stem}.ipynb"])
-    assert rows and all(r.passed for r in rows), render(rows)
+    assert rows and all(r.passed or r.not_graded for r in rows), render(rows)
+    if kc.world().gpu:  # every speed check is graded on a GPU
+        assert all(r.passed for r in rows), render(rows)
 
 
 def test_report_survives_bad_learner_code_and_leaves_the_notebook_alone(tmp_path):

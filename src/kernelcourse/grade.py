@@ -2,8 +2,9 @@
 
 Each notebook runs top to bottom through nbval (``pytest --nbval-lax``) in a fresh kernel; the output
 of every grader cell is collected into a report: chapter, exercise, pass or fail, and the grader's
-message. The notebooks themselves are only read, never written. The exit status is 0 when every
-exercise passed, 1 otherwise, so CI can use it.
+message. The notebooks themselves are only read, never written. An exercise with a speed check that
+this machine cannot make (no GPU) shows as "not graded", never as passed. The exit status is 0 when
+no exercise failed, 1 otherwise, so CI can use it.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Row:
     exercise: str
     passed: bool
     message: str
+    not_graded: bool = False  # every check made here passed, and some could not be made here (speed on the CPU)
 
 
 class _Collector:
@@ -63,10 +65,21 @@ def _failure_summary(longrepr: str) -> str:
     return last[-1].strip() if last else "the cell failed"
 
 
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _not_graded(passed: bool, text: str) -> bool:
+    return passed and any(line.startswith("–") for line in _lines(text))
+
+
 def _message(passed: bool, text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = _lines(text)
     if passed:
         checks = sum(1 for line in lines if line.startswith("✔"))
+        skipped = [line[1:].strip() for line in lines if line.startswith("–")]
+        if skipped:
+            return f"{checks} checks passed; not graded here: {'; '.join(skipped)}"
         return f"{checks} checks passed"
     failed = [line for line in lines if line.startswith("✘")]
     return (failed[0][1:].strip() if failed else (lines[-1] if lines else "failed"))
@@ -94,7 +107,8 @@ def grade(paths: list[Path], cell_timeout: int = 600) -> list[Row]:
             if result is None:
                 rows.append(Row(path.stem, ex, False, "the grader cell did not run"))
             else:
-                rows.append(Row(path.stem, ex, result[0], _message(*result)))
+                skipped = _not_graded(*result)
+                rows.append(Row(path.stem, ex, result[0] and not skipped, _message(*result), skipped))
         expected = _expected(path.stem)
         for ex in sorted(expected - seen):
             rows.append(Row(path.stem, ex, False, "no grader cell for this exercise: was it deleted?"))
@@ -115,7 +129,8 @@ def _expected(stem: str) -> set[str]:
 
 def render(rows: list[Row]) -> str:
     head = ("chapter", "exercise", "result", "message")
-    body = [(r.notebook, r.exercise, "pass" if r.passed else "FAIL", r.message) for r in rows]
+    body = [(r.notebook, r.exercise, "pass" if r.passed else "not graded" if r.not_graded else "FAIL", r.message)
+            for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head[:3])]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths)) + "  " + head[3]]
     indent = " " * (sum(widths) + 2 * len(widths))
@@ -123,8 +138,11 @@ def render(rows: list[Row]) -> str:
         message = textwrap.wrap(b[3], width=MESSAGE_WIDTH) or [""]
         lines.append("  ".join(c.ljust(w) for c, w in zip(b[:3], widths)) + "  " + message[0])
         lines += [indent + more for more in message[1:]]
-    passed = sum(r.passed for r in rows)
-    lines.append(f"Score: {passed}/{len(rows)} exercises passed")
+    passed, skipped = sum(r.passed for r in rows), sum(r.not_graded for r in rows)
+    score = f"Score: {passed}/{len(rows)} exercises passed"
+    if skipped:
+        score += f"; {skipped} not graded here (speed needs a GPU; the checks that could run passed)"
+    lines.append(score)
     return "\n".join(lines)
 
 
@@ -142,10 +160,10 @@ def main(argv=None) -> int:
     rows = grade(args.notebooks, args.cell_timeout)
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "passed": sum(r.passed for r in rows),
-                          "total": len(rows)}, indent=1))
+                          "not_graded": sum(r.not_graded for r in rows), "total": len(rows)}, indent=1))
     else:
         print(render(rows))
-    return 0 if rows and all(r.passed for r in rows) else 1
+    return 0 if rows and all(r.passed or r.not_graded for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-PASS, FAIL = "✔", "✘"
+PASS, FAIL, NOT_GRADED = "✔", "✘", "–"  # NOT_GRADED: a check this machine cannot make (speed on the CPU)
 DEFAULT_TIME_LIMIT_S = 120
 
 
@@ -76,6 +76,7 @@ class Report:
     exercise: Exercise
     lines: list[str] = field(default_factory=list)
     failures: int = 0
+    skipped: int = 0
     sink: Callable[[str], None] = lambda line: print(line, flush=True)
 
     def ok(self, what: str) -> None:
@@ -84,6 +85,11 @@ class Report:
     def fail(self, what: str) -> None:
         self.failures += 1
         self._add(f"{FAIL} {what}")
+
+    def not_graded(self, what: str) -> None:
+        """A check that cannot be made here (a speed check without a GPU): neither passed nor failed."""
+        self.skipped += 1
+        self._add(f"{NOT_GRADED} {what}")
 
     def _add(self, line: str) -> None:
         self.lines.append(line)
@@ -157,7 +163,10 @@ def check(exercise_id: str, namespace: dict) -> None:
             _grade_here(ex, objects, report)
     if report.failures:
         raise GradeFailure(f"exercise {ex.id} ({ex.title}): {report.failures} check(s) failed")
-    print(f"Exercise {ex.id} ({ex.title}) passed.")
+    if report.skipped:
+        print(f"Exercise {ex.id} ({ex.title}): every check made here passed; {report.skipped} not graded here.")
+    else:
+        print(f"Exercise {ex.id} ({ex.title}) passed.")
 
 
 def _grade_here(ex: Exercise, objects: dict, report: Report) -> None:
@@ -234,6 +243,8 @@ def _relay(line: str, report: Report) -> None:
         report.ok(line[len(PASS):].strip())
     elif line.startswith(FAIL):
         report.fail(line[len(FAIL):].strip())
+    elif line.startswith(NOT_GRADED):
+        report.not_graded(line[len(NOT_GRADED):].strip())
 
 
 def guarded(report: Report, what: str, fn, *args, **kwargs):
@@ -324,3 +335,66 @@ def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None =
         return False, (f"{what}: max error {err.flat[worst]:.3g} at index {_index(worst, got.shape)} "
                        f"(expected {truth.flat[worst]:.6g}, got {g.flat[worst]:.6g}; tolerance {tol:.2g})")
     return True, f"{what}: all {got.size} elements match (max error {float(err.max()) if err.size else 0:.2g})"
+
+
+# ---- speed ----------------------------------------------------------------------------------------
+
+
+def _median_ms(report: Report, what: str, fn) -> float | None:
+    """Median time of learner (or peer) code in ms on this GPU, or None after recording why it failed."""
+    from ..bench import do_bench
+
+    before = report.failures
+    ms = guarded(report, what, do_bench, fn)
+    return None if report.failures > before else ms
+
+
+def speed_vs_peer(report: Report, what: str, fn, peer, peer_name: str, at_least: float) -> bool | None:
+    """Speed check on a GPU: ``fn()`` must run at least ``at_least`` times as fast as ``peer()``, both
+    timed now, in this process (median of many runs). On the CPU the check is not graded.
+
+    Returns True or False when graded, None when not.
+    """
+    from ..world import world
+
+    if not world().gpu:
+        report.not_graded(f"{what}: speed needs a GPU (not graded here)")
+        return None
+    ms, peer_ms = _median_ms(report, what, fn), _median_ms(report, peer_name, peer)
+    if ms is None or peer_ms is None:
+        return False
+    ratio = peer_ms / ms
+    return report.expect(
+        ratio >= at_least,
+        f"{what}: {ratio:.2f}x the speed of {peer_name} ({ms:.3f} ms vs {peer_ms:.3f} ms; needs {at_least:g}x)",
+        f"{what}: {ratio:.2f}x the speed of {peer_name} ({ms:.3f} ms vs {peer_ms:.3f} ms); needs at least "
+        f"{at_least:g}x",
+    )
+
+
+def speed_vs_roof(report: Report, what: str, fn, nbytes: float, at_least: float) -> bool | None:
+    """Speed check on a GPU against the memory roof: ``fn()``, which must move ``nbytes`` bytes (reads
+    plus writes), against a device-to-device copy moving as many bytes, timed now. Passes when the
+    copy's time over ``fn``'s is at least ``at_least``. On the CPU the check is not graded.
+    """
+    import torch
+
+    from ..world import world
+
+    if not world().gpu:
+        report.not_graded(f"{what}: speed needs a GPU (not graded here)")
+        return None
+    half = max(int(nbytes) // 2, 1)  # a copy reads and writes each byte once
+    src = torch.randint(0, 256, (half,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms, copy_ms = _median_ms(report, what, fn), _median_ms(report, "copy", lambda: dst.copy_(src))
+    if ms is None or copy_ms is None:
+        return False
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    fraction = copy_ms / ms
+    return report.expect(
+        fraction >= at_least,
+        f"{what}: {gbs:.0f} GB/s, {fraction:.0%} of a copy's bandwidth measured now (needs {at_least:.0%})",
+        f"{what}: {gbs:.0f} GB/s, {fraction:.0%} of a copy's bandwidth measured now; needs at least "
+        f"{at_least:.0%}: is each element read once, and are loads and stores contiguous?",
+    )
