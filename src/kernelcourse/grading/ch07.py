@@ -120,6 +120,15 @@ def grads64(q, k, v, do, scale, causal=False, bug=None):
     return dq, dk, dv, {"o": o, "lse": (m + np.log(l))[:, 0], "p": p, "dp": dp, "delta": (do * o).sum(axis=1)}
 
 
+def unmasked_grads64(q, k, v, do, scale):
+    """The gradients a backward computes when it forgets the causal mask of a causal forward: P = exp(S - lse)
+    with the causal lse and D, but over every key."""
+    *_, x = grads64(q, k, v, do, scale, causal=True)
+    p = np.exp(q @ k.T * scale - x["lse"][:, None])
+    ds = p * (do @ v.T - x["delta"][:, None])
+    return ds @ k * scale, ds.T @ q * scale, p.T @ do
+
+
 def _torch_grads(q, k, v, do, scale, causal, dtype=None, device="cpu"):
     """PyTorch's gradients of one head at the inputs' precision: autograd through the naive attention."""
     import torch
@@ -352,6 +361,11 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
             if _matches(got[2], dv_tile_norm, truth[2]):
                 return report.fail(f"dv, {what}: P = exp(S − lse) with the saved lse, which holds the max and the "
                                    "row sum: a tile's own max or sum is not the row's")
+        if causal:  # P = exp(S - lse) left unmasked: the lse leaves the masked keys out, exp(S - lse) does not
+            unmasked = unmasked_grads64(q, k, v, do, scale)
+            if any(_matches(g, u, t) for g, u, t in zip(got, unmasked, truth)):
+                return report.fail(f"{what}: the gradients include keys after their query: with causal=True, set P to "
+                                   "0 where key j > query i (the lse leaves those keys out, but exp(S − lse) does not)")
         if not _check_grads(report, got, q, k, v, do, scale, causal, what, _floor(q, k, scale, 1.2e-7)):
             return
         if n_q * n_k > max(n_q, n_k) * max(bm, bn, d) and numel >= n_q * n_k:
@@ -614,11 +628,11 @@ def grade_function(report: Report, FlashAttentionFn):
             ok, line = compare(_np(grads[j].float()), truth, ref, what=f"{name}, {what}", rtol_floor=floor)
             if not ok:
                 hint = None
-                others = [np.stack([g[m] for g in per_head]).reshape(truth.shape) for m in range(3) if m != j]
+                others = [np.stack([g[m] for g in per_head]).reshape(leaves[m].shape) for m in range(3) if m != j]
                 if any(o.shape == truth.shape and _matches(grads[j], o, truth) for o in others):
                     hint = "backward returns the gradients in the order of forward's inputs: (dq, dk, dv, None)"
-                elif causal and _matches(grads[j], np.stack([grads64(q[b, h], k[b, h], v[b, h], do[b, h],
-                                                                     1 / math.sqrt(d), False)[j] for b in range(B)
+                elif causal and _matches(grads[j], np.stack([unmasked_grads64(q[b, h], k[b, h], v[b, h], do[b, h],
+                                                                              1 / math.sqrt(d))[j] for b in range(B)
                                                              for h in range(H)]).reshape(truth.shape), truth):
                     hint = "the backward must use the same causal flag as the forward: keep it on ctx"
                 return _fail(report, line, hint)
