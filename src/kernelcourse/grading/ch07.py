@@ -408,7 +408,7 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
              (1, 9, 20, 16, 16, 16, "fp32", 1.0)]
     if gpu:  # tl.dot on float32 is TF32 on a GPU: grade in half precision there, with larger sizes
         cases = [(h, nq, nk, d, bm, bn, "fp16", ls) for h, nq, nk, d, bm, bn, _, ls in cases]
-        cases += [(4, 300, 1000, 64, 32, 64, "fp16", 30.0), (2, 1000, 257, 128, 32, 64, "fp16", 1.0)]
+        cases += [(4, 300, 1000, 64, 32, 64, "fp16", 30.0), (2, 1000, 257, 128, 16, 32, "fp16", 1.0)]
         if torch.cuda.is_bf16_supported():
             cases.append((2, 200, 300, 64, 32, 64, "bf16", 30.0))
     for i, (heads, n_q, n_k, d, bm, bn, dtype, ls) in enumerate(cases):
@@ -438,7 +438,8 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
                 f"{dtype}{', scores of ±1000' if ls > 100 else ''}")
         tensors = (tq, tk, tv, tdo, tlse, tdelta, tdk, tdv)
         try:
-            _dkdv_launch(attention_dkdv_kernel, heads, n_q, n_k, d, bm, bn, tensors, scale)
+            # one stage: tiles this size fit a small GPU's shared memory (64 KB per block on a T4) unpipelined
+            _dkdv_launch(attention_dkdv_kernel, heads, n_q, n_k, d, bm, bn, tensors, scale, num_stages=1)
             if gpu:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a learner's kernel may fail to compile in any way
