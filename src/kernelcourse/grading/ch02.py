@@ -345,9 +345,10 @@ def grade_impossible_timings(report: Report, impossible_timings):
             ([i for i, v in enumerate(x) if v < 1 / 1.1], "inverted: a point is impossible when it is faster "
                                                           "than the roof allows, above it"),
         ]
-        describe = lambda idx: "[" + ", ".join(f"{i} ({rows[i]['op']}, {rows[i]['method']})"
-                                               if isinstance(i, (int, np.integer)) and 0 <= i < len(rows)
-                                               else repr(i) for i in idx) + "]"
+        def describe(idx):
+            named = [f"{i} ({rows[i]['op']}, {rows[i]['method']})" if isinstance(i, (int, np.integer))
+                     and 0 <= i < len(rows) else repr(i) for i in idx]
+            return "[" + ", ".join(named if len(named) <= 4 else named[:3] + [f"... {len(named)} rows in all"]) + "]"
         if not _grade_selection(report, call, got, want, describe, mistakes):
             return
 
