@@ -38,7 +38,7 @@ from .world import world
 
 __all__ = ["attention_ref", "causal_mask", "softmax_state", "online_softmax_merge", "online_softmax",
            "tiled_attention_ref", "flash_attention", "flash_attention_kernel", "attention_flops",
-           "tuned_config", "FWD_CONFIGS", "LOG2E"]
+           "tuned_config", "FWD_CONFIGS", "LOG2E", "attention"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453    # ln(2): log(x) = log2(x) * ln(2)
@@ -412,3 +412,41 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
         grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
         flash_attention_kernel[grid](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
     return o, lse
+
+
+# ---- differentiable attention (chapter 07) -------------------------------------------------------
+
+
+def attention(q, k, v, causal: bool = False, sm_scale: float | None = None):
+    """Differentiable FlashAttention, ``softmax(q kᵀ · sm_scale) v`` (introduced in chapter 07).
+
+    ``q`` is (B, H, N_Q, d), ``k`` and ``v`` (B, H, N_K, d), one floating dtype (float16, bfloat16 or
+    float32) on one device, ``d`` a power of two from 16 to 256. The forward is ``flash_attention``;
+    the backward, ``kernelcourse.attention_backward.flash_attention_backward``, recomputes the
+    probabilities from the saved log-sum-exp. Raises ``ValueError`` saying what is wrong with the input.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-dimensional (B, H, N, d), got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"{name} has dtype {t.dtype}: attention takes float16, bfloat16 or float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    B, H, n_q, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, H, N_K, d) with q's B={B}, H={H}, d={d}; got {tuple(k.shape)}")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim d={d} is not supported: use a power of two from 16 to 256")
+    if n_q == 0 or k.shape[2] == 0 or B == 0 or H == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale must be a finite number or None, got {sm_scale!r}")
+    from .attention_backward import FlashAttention  # imports this module: import it only when called
+
+    return FlashAttention.apply(q, k, v, bool(causal), sm_scale)
