@@ -373,8 +373,9 @@ def batches(data: torch.Tensor, batch: int, seq_len: int, seed: int, device):
 def train(impl: str, *, steps: int, batch: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
           lr: float = 3e-3, seed: int = 0, data_seed: int = 0, compute_dtype=None, triton_matmuls=(),
           text: str | None = None) -> dict:
-    """Train a GPT on the course's text; returns the loss at every step and the tokens per second
-    (measured on a GPU over the steps after the first few, which compile and tune kernels)."""
+    """Train a GPT on the course's text with AdamW (linear warm-up over the first tenth of the steps,
+    gradients clipped to norm 1); returns the loss at every step and the tokens per second (measured
+    over the steps after the first few, which compile and tune kernels)."""
     dev = world().device
     text = course_text() if text is None else text
     codec = CharCodec(text)
@@ -383,6 +384,8 @@ def train(impl: str, *, steps: int, batch: int, seq_len: int, d_model: int, n_he
     torch.manual_seed(seed)
     model = GPT(len(codec), d_model, n_heads, n_layers, seq_len, impl, compute_dtype, triton_matmuls, device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)  # a linear warm-up keeps the first steps of Adam from overshooting
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     stream = batches(data, batch, seq_len, data_seed, dev)
     losses, t0, warm = [], None, min(5, steps // 2)
     for step in range(steps):
@@ -394,7 +397,9 @@ def train(impl: str, *, steps: int, batch: int, seq_len: int, d_model: int, n_he
         loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         losses.append(loss.item())  # .item() waits for the GPU: the timing includes every step's work
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     return {"impl": impl, "losses": losses, "tokens_per_s": (steps - warm) * batch * seq_len / elapsed}
@@ -645,6 +650,32 @@ def gpu_idle(events) -> dict:
             "kernels": len(iv), "launches": len(launches)}
 
 
+def roofline_points(events, B=8, N=1024, d=768, steps: int = 2, itemsize: int = 2, causal: bool = True):
+    """The block's kernel families on the roofline: per training step (forward + backward), the FLOPs
+    and the least bytes of each family (napkin counts, below), with its GPU time from the trace.
+
+    - matmul: 3x the forward's projection FLOPs; bytes: each forward matmul reads A and B and writes C
+      once, and its backward does that twice more;
+    - attention: 3.5x the forward's FLOPs (the backward's five products against the forward's two);
+      bytes: the forward reads q, k, v and writes o, the backward reads q, k, v, o, dO, writes dq, dk, dv;
+    - layer norm (two per block): the forward reads x and r and writes y and h, the backward reads h, dy
+      and the residual's gradient and writes dx; about 8 FLOPs per element forward, 12 backward.
+    """
+    from .roofline import Point
+
+    M = B * N
+    fam = {r["family"]: r["us"] for r in by_family(events)}
+    shapes = [(M, d, 3 * d), (M, d, d), (M, d, 4 * d), (M, 4 * d, d)]
+    mm_flops = 3 * sum(2 * m * k * n for m, k, n in shapes)
+    mm_bytes = 3 * sum(m * k + k * n + m * n for m, k, n in shapes) * itemsize
+    attn_fwd = 4 * B * N * N * d * (0.5 if causal else 1.0)
+    counts = {"matmul": (mm_flops, mm_bytes),
+              "attention": (3.5 * attn_fwd, 12 * M * d * itemsize),
+              "layer norm": (2 * 20 * M * d, 2 * 8 * M * d * itemsize)}
+    return [Point(f"{name} (fwd+bwd)", fl, nb, fam[name] / steps / 1e3, dtype="bf16")
+            for name, (fl, nb) in counts.items() if fam.get(name)]
+
+
 def plot_timeline(events, ax=None, title: str = ""):
     """The trace as a timeline: one lane of GPU kernels coloured by family, one lane of CPU launch calls,
     and the forward/backward annotations."""
@@ -665,8 +696,9 @@ def plot_timeline(events, ax=None, title: str = ""):
             ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (2, 0.5), color="0.85", edgecolor="0.3")
             ax.annotate(e["name"], (e["ts"] / 1e3, 2.25), fontsize=8, va="center", xytext=(3, 0),
                         textcoords="offset points")
+    ax.set_ylim(-0.2, 3.3)
     ax.set_yticks([0.4, 1.4, 2.25], ["CPU: runtime calls", "GPU: kernels", "CPU: ranges"])
     ax.set_xlabel("time (ms)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper right", fontsize=7, ncol=4)
+    ax.legend(loc="upper right", fontsize=7, ncol=len(fams), frameon=False, handlelength=1, columnspacing=1)
     return ax

@@ -313,6 +313,8 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
             if not ok and key == "dx" and with_dres and compare(g, truths[key] - exact(dres), refs[key] - exact(dres),
                                                                 what="", rtol_floor=1e-5)[0]:
                 line += ": add dres (the gradient flowing past the LayerNorm) to dX when HAS_DRES"
+            if not ok and np.abs(g).max() > 1e6 * max(np.abs(truths[key]).max(), 1.0):
+                line += ": values this large were never computed: did the kernel store dx and the partial sums?"
             if not ok and key != "dx" and programs:
                 per_row = dy64 * xhat if key == "dw" else dy64
                 rpp = -(-rows // programs)
