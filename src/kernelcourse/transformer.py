@@ -444,8 +444,9 @@ def cuda_graph(fn):
     return g.replay
 
 
+# the course's graph before the compiled one: if capturing compiled code fails, the others are measured
 BLOCK_VARIANTS = ("eager PyTorch + SDPA", "torch.compile(eager)", "course kernels",
-                  "eager PyTorch + SDPA, CUDA graph", "torch.compile(eager), CUDA graph", "course kernels, CUDA graph")
+                  "eager PyTorch + SDPA, CUDA graph", "course kernels, CUDA graph", "torch.compile(eager), CUDA graph")
 
 
 def bench_block(B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, triton_matmuls=(), variants=BLOCK_VARIANTS) -> list[dict]:
