@@ -60,8 +60,10 @@ def test_course_block_matches_eager_block(triton_matmuls):
         torch.autograd.backward((x, m), grads)
         results.append([x, m, h.grad, delta.grad] + [p.grad for p in blk.parameters()])
     names = ["x", "m", "dh", "ddelta"] + [n for n, _ in ref.named_parameters()]
+    # on a GPU, tl.dot rounds float32 inputs to TF32 inside the attention kernels; SDPA does not
+    rtol, atol = (2e-2, 2e-3) if kc.world().gpu else (1e-4, 1e-5)
     for name, a, b in zip(names, *results):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=name)
 
 
 def test_gpt_trains_the_same_with_either_block():
@@ -69,7 +71,8 @@ def test_gpt_trains_the_same_with_either_block():
     kw = dict(steps=3, batch=2, seq_len=16, d_model=32, n_heads=2, n_layers=1, text=text)
     a, b = T.train("torch", **kw), T.train("course", **kw)
     assert a["losses"][0] == pytest.approx(torch.log(torch.tensor(float(len(T.CharCodec(text))))).item(), rel=0.05)
-    assert a["losses"] == pytest.approx(b["losses"], rel=1e-4)
+    # in float32 on the CPU the two agree to rounding; on a GPU both compute in bf16
+    assert a["losses"] == pytest.approx(b["losses"], rel=2e-2 if kc.world().gpu else 1e-4)
     assert a["losses"][-1] < a["losses"][0]
 
 
