@@ -302,6 +302,21 @@ DQ_CONFIGS = [
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
+# Which candidates a large GPU (200 KB of shared memory or more) tries for each head dim, from sweeps on
+# an H100: with d = 64, narrow query tiles streaming past 64- or 128-key tiles in 4 warps; with d = 128,
+# 128-key tiles in 8 warps. Timing the slower candidates only gives the autotuner's noise a chance.
+_TRIED = {
+    "kv": {64: {(32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 3)},
+           128: {(64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 4, 5)}},
+    "q": {64: {(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)},
+          128: {(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)}},
+}
+
+
+def _key(c: triton.Config) -> tuple:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
 def _smem_bytes(c: triton.Config, head_dim: int, resident: str, itemsize: int = 2) -> int:
     """Shared memory a config needs, roughly: the resident tile pair (K, V or Q, dO) once, the
     streaming pair num_stages times, and one tile of p."""
@@ -313,11 +328,13 @@ def _smem_bytes(c: triton.Config, head_dim: int, resident: str, itemsize: int = 
 def _pruner(resident: str):
     def prune(configs, named_args, **kwargs):
         """The candidates whose tiles fit in this GPU's shared memory (64 KB per block on a T4, 227 KB
-        on an H100), and not much larger than the sequences."""
+        on an H100), on a large GPU the few chosen for this head dim, not much larger than the sequences."""
         d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
         props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
         smem = props.get("max_shared_mem", 0) or 1 << 30
         kept = [c for c in configs if _smem_bytes(c, d, resident) <= smem]
+        if smem >= 200 * 1024 and d in _TRIED[resident]:
+            kept = [c for c in kept if _key(c) in _TRIED[resident][d]]
         n_q = named_args.get("N_Q", kwargs.get("N_Q"))
         n_k = named_args.get("N_K", kwargs.get("N_K"))
         short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(n_q, 32) and c.kwargs["BLOCK_N"] <= max(n_k, 32)]
