@@ -59,7 +59,8 @@ def _stamped_lesson():
     nb.cells = [nbformat.v4.new_code_cell(notebooks.bootstrap_source(), metadata={"tags": ["bootstrap"]}),
                 nbformat.v4.new_code_cell("x = 1", execution_count=2)]
     nb.cells[0].execution_count = 1
-    nb.metadata["kernelcourse"] = {"stamp": {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-21",
+    versions = {k: "1.0" for k in stamp.VERSION_KEYS}
+    nb.metadata["kernelcourse"] = {"stamp": {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-21", "versions": versions,
                                              "code_sha256": notebooks.code_hash(nb)}}
     return nb
 
@@ -79,6 +80,12 @@ def test_stamp_check_ignores_the_setup_cell_and_prose():
     nb.cells[0].source += "\n# another repository"
     nb.cells.append(nbformat.v4.new_markdown_cell("More prose."))
     assert stamp.stamp_problem(nb) is None
+
+
+def test_stamp_check_wants_every_version_that_changes_a_result():
+    nb = _stamped_lesson()
+    del nb.metadata["kernelcourse"]["stamp"]["versions"]["numpy"]
+    assert "version of numpy" in stamp.stamp_problem(nb)
 
 
 def test_stamp_check_rejects_missing_and_cpu_stamps():
