@@ -50,8 +50,13 @@ def test_generated_exercises_hold_no_solution_and_no_output():
                 assert not cell.outputs and cell.execution_count is None, path
 
 
-def test_setup_cell_comes_from_config():
-    assert notebooks.config()["repository"]["url"] in notebooks.bootstrap_source()
+def test_setup_cell_comes_from_config_and_installs_a_release():
+    source = notebooks.bootstrap_source()
+    assert notebooks.config()["repository"]["url"] in source
+    import kernelcourse
+
+    assert notebooks.release_ref() == f"v{kernelcourse.__version__}"  # pyproject and the package agree
+    assert f"@v{kernelcourse.__version__}\"" in source and "@main" not in source
 
 
 def _stamped_lesson():
