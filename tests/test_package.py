@@ -208,3 +208,22 @@ def test_recorded_results_come_from_a_stamped_gpu_run_of_a_lesson():
 def test_an_illegal_gpu_access_is_explained():
     line = grading.explain(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert "illegal memory access" in line and "restart the kernel" in line
+
+
+def test_setup_warns_only_about_combinations_that_cannot_work(monkeypatch):
+    cpu, gpu = kc.World(False, "cpu", "CPU", None), kc.World(True, "cuda", "GPU", (9, 0))
+
+    def given(numpy_version, triton_version):
+        monkeypatch.setattr(np, "__version__", numpy_version)
+        monkeypatch.setattr(WORLD, "_version", lambda dist: triton_version if dist == "triton" else "0.30.4")
+
+    given("2.4.1", "3.6.0")
+    problem = WORLD._known_problem(cpu)
+    assert 'pip install "numpy>=2,<2.4"' in problem and "restart" in problem
+    assert WORLD._known_problem(gpu) is None  # compiled Triton kernels do not go through the interpreter
+    given("2.4.1", "3.7.1")
+    assert WORLD._known_problem(cpu) is None
+    given("2.3.5", "3.6.0")
+    assert WORLD._known_problem(cpu) is None
+    given("2.5.2", "3.9.0")  # numba-cuda 0.30.4 with numpy 2.5: made to work by setup(), no warning
+    assert WORLD._known_problem(cpu) is None and WORLD._known_problem(gpu) is None
