@@ -60,8 +60,9 @@ test-latest:
 	@$(LATEST_VENV)/bin/python -c 'from kernelcourse.world import versions; print("newest releases:", versions())'
 	$(MAKE) test VENV=$(LATEST_VENV)
 
+# CHAPTERS="01 02" checks those chapters only (their notebooks and tests, and the tests of no chapter).
 gpu-check:
-	$(GPU_PYTHON) tools/gpu_check.py
+	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS))
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab

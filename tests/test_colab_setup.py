@@ -42,7 +42,24 @@ def colab(tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM", "KC_GRADE_IN_PROCESS")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    if _has_setuptools_for_the_build():
+        # Offline, as on a GPU machine without network: pip builds the package with this environment's
+        # setuptools instead of fetching one into an isolated build environment. (pip reads the value of
+        # PIP_NO_BUILD_ISOLATION inverted: "0" turns build isolation off.) Colab's pip isolates the build;
+        # nothing else differs.
+        env.update(PIP_NO_BUILD_ISOLATION="0", PIP_NO_INDEX="1")
     return python, env, where
+
+
+def _has_setuptools_for_the_build() -> bool:
+    import importlib.metadata as md
+    import re
+
+    try:
+        version = md.version("setuptools")
+    except md.PackageNotFoundError:
+        return False
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:2]) >= (64, 0)  # pyproject.toml's build requirement
 
 
 def _report(python, env) -> dict:

@@ -34,6 +34,8 @@ NEEDED = {"torch": "torch", "triton": "triton", "numpy": "numpy", "numba": "numb
           "matplotlib": "matplotlib", "yaml": "pyyaml"}
 # tests/test_exercises.py grades every stub and every solution: here that is part 3, reported per exercise.
 GRADE_TESTS = "not test_generated_stubs_fail_every_grader and not test_solutions_pass_every_grader"
+# Test files that belong to one chapter (besides tests/test_grading_chNN.py), for --chapter.
+CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "06": ["test_attention.py"]}
 
 
 @dataclass
@@ -163,8 +165,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cell-timeout", type=int, default=600, help="seconds allowed per notebook cell")
     ap.add_argument("--chapter", action="append", metavar="NN",
-                    help="a quick check of chapter NN only (repeatable): its notebooks and grader tests, and the "
-                         "package's and tools' tests")
+                    help="check chapter NN only (repeatable): its notebooks and tests, and the tests that belong "
+                         "to no chapter; runs over chapters that split the course together cover all of it")
     args = ap.parse_args()
     if missing := missing_stack():
         print(f"The course's notebook stack is not installed for {sys.executable}: {', '.join(missing)} missing.\n"
@@ -185,8 +187,9 @@ def main() -> int:
     if args.chapter:
         lessons = [p for p in lessons if p.name[:2] in args.chapter]
         solutions = [p for p in solutions if p.name[:2] in args.chapter]
-        tests = ["tests/test_package.py", "tests/test_tools.py",
-                 *(str(p.relative_to(ROOT)) for c in args.chapter for p in (ROOT / "tests").glob(f"test_grading_ch{c}.py"))]
+        others = {p.stem[:2] for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")} - set(args.chapter)
+        elsewhere = {f"test_grading_ch{c}.py" for c in others} | {f for c in others for f in CHAPTER_TESTS.get(c, [])}
+        tests = [f"tests/{p.name}" for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in elsewhere]
     stubs = [ROOT / "exercises" / p.name for p in solutions]
     parts = [Part("unit tests", "test"), Part("lessons under nbval", "cell"), Part("solutions under nbval", "cell"), Part("grade report: solutions pass", "exercise"),
              Part("grade report: stubs fail", "exercise")]
