@@ -80,7 +80,7 @@ def run_pytest(part: Part, args: list[str]) -> None:
             part.error = f"pytest did not run (exit {proc.returncode}): {_last_line(proc.stdout + proc.stderr)}"
             return
         for case in ET.parse(xml).getroot().iter("testcase"):
-            name = f"{case.get('classname', '').replace('.', '/')}::{case.get('name')}"
+            name = f"{case.get('classname', '')}::{case.get('name')}"
             part.ran += 1
             outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
             if outcome is None:
@@ -191,8 +191,8 @@ def main() -> int:
         elsewhere = {f"test_grading_ch{c}.py" for c in others} | {f for c in others for f in CHAPTER_TESTS.get(c, [])}
         tests = [f"tests/{p.name}" for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in elsewhere]
     stubs = [ROOT / "exercises" / p.name for p in solutions]
-    parts = [Part("unit tests", "test"), Part("lessons under nbval", "cell"), Part("solutions under nbval", "cell"), Part("grade report: solutions pass", "exercise"),
-             Part("grade report: stubs fail", "exercise")]
+    parts = [Part("unit tests", "test"), Part("lessons under nbval", "cell"), Part("solutions under nbval", "cell"),
+             Part("grade report: solutions pass", "exercise"), Part("grade report: stubs fail", "exercise")]
     start = time.time()
     for part, do in zip(parts, [
         lambda p: run_pytest(p, [*tests, "-k", GRADE_TESTS]),
@@ -205,7 +205,8 @@ def main() -> int:
         do(part)
         print(f"  {part.passed}/{part.ran} {part.unit}s as expected, {part.failed} not, {part.skipped} skipped, "
               f"{part.seconds:.0f} s{' (' + part.error + ')' if part.error else ''}", flush=True)
-    print("\n" + render(parts, gpu, versions, time.time() - start))
+    scope = f"chapters {', '.join(sorted(args.chapter))} and the tests of no chapter" if args.chapter else "the whole course"
+    print("\n" + render(parts, f"{gpu}, {scope}", versions, time.time() - start))
     return 0 if all(p.ok for p in parts) else 1
 
 
