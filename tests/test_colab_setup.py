@@ -32,12 +32,13 @@ print(json.dumps({"kernelcourse": importlib.util.find_spec("kernelcourse") is no
 def colab(tmp_path_factory):
     """(python, env, folder) of a fresh virtual environment that sees this one's libraries but no kernelcourse."""
     where = tmp_path_factory.mktemp("colab")
-    venv.EnvBuilder(with_pip=True).create(where / "env")
+    # Without ensurepip (which some Linux distributions leave out): pip comes from this environment too.
+    venv.EnvBuilder(with_pip=False).create(where / "env")
     python = str(where / "env" / "bin" / "python")
     purelib = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                       text=True).strip()
-    # Colab's preinstalled torch, triton and numpy are this environment's: its site-packages joins the path
-    # as a plain folder, so its .pth files (an editable install of the course among them) are not read.
+    # Colab's preinstalled torch, triton, numpy and pip are this environment's: its site-packages joins the
+    # path as a plain folder, so its .pth files (an editable install of the course among them) are not read.
     Path(purelib, "preinstalled.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM", "KC_GRADE_IN_PROCESS")}
