@@ -35,7 +35,8 @@ NEEDED = {"torch": "torch", "triton": "triton", "numpy": "numpy", "numba": "numb
 # tests/test_exercises.py grades every stub and every solution: here that is part 3, reported per exercise.
 GRADE_TESTS = "not test_generated_stubs_fail_every_grader and not test_solutions_pass_every_grader"
 # Test files that belong to one chapter (besides tests/test_grading_chNN.py), for --chapter.
-CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "06": ["test_attention.py"]}
+CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "06": ["test_attention.py"],
+                 "07": ["test_attention_backward.py"]}
 
 
 @dataclass
