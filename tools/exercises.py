@@ -92,7 +92,9 @@ def note_cell(stem: str):
         "> **Your exercise notebook.** Fill in the cells marked `YOUR CODE HERE` and run the grader cell "
         "under each one. The last cell, `kc.grading.report()`, shows your score for the whole notebook. "
         "On your own machine, work in your copy in `mywork/` (`make mywork` makes it; no course command "
-        f"ever writes over it) and grade it with `make grade NB=mywork/{stem}.ipynb`."
+        f"ever writes over it) and grade it with `make grade NB=mywork/{stem}.ipynb`. "
+        f"`solutions/{stem}.ipynb` holds one way to write each answer: open it when you are stuck, or to "
+        "compare once your answer passes."
     )
     cell.id = "learner-note"
     return cell
