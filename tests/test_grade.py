@@ -36,9 +36,10 @@ def test_report_in_the_notebook_matches_make_grade(capsys, monkeypatch):
     table = capsys.readouterr().out
     assert re.search(r"^01\s+01\.2\s+pass\s+\d+ checks passed", table, re.M), table
     assert re.search(r"^01\s+01\.3\s+FAIL\s+.*not defined", table, re.M), table
-    for ex in ("01.1", "01.4", "01.5"):
+    others = [e.id for e in kc.grading.exercises("01") if e.id not in ("01.2", "01.3")]
+    for ex in others:
         assert re.search(rf"^01\s+{re.escape(ex)}\s+FAIL\s+not run yet", table, re.M), table
-    assert table.strip().endswith("Score: 1/5 exercises passed"), table
+    assert table.strip().endswith(f"Score: 1/{len(others) + 2} exercises passed"), table
 
 
 def test_report_before_any_grader_cell_says_what_to_do(capsys, monkeypatch):
@@ -57,7 +58,7 @@ def test_report_counts_a_failed_answer(capsys, monkeypatch):
     kc.grading.report("01")
     table = capsys.readouterr().out
     assert re.search(r"^01\s+01\.2\s+FAIL\s+grid_size", table, re.M), table
-    assert "Score: 0/5" in table
+    assert f"Score: 0/{len(kc.grading.exercises('01'))}" in table
 
 
 def _small_notebook(path: Path, answer: str) -> Path:
@@ -79,9 +80,9 @@ def test_command_line_grades_without_pytest_or_nbval(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
                           timeout=300)
     assert re.search(r"01_vector_add\s+01\.2\s+pass", done.stdout), done.stdout + done.stderr
-    # the other four exercises have no grader cell here, so the run fails, and says why
+    # the other exercises have no grader cell here, so the run fails, and says why
     assert done.returncode == 1 and "no grader cell" in done.stdout
-    assert "Score: 1/5 exercises passed" in done.stdout
+    assert f"Score: 1/{len(kc.grading.exercises('01'))} exercises passed" in done.stdout
 
 
 def test_command_line_without_nbclient_says_what_to_install(tmp_path):
