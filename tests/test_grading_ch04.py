@@ -10,6 +10,13 @@ import kernelcourse as kc
 from kernelcourse import kernels
 from tests.helpers import grade
 
+
+def address_case(kernel, hint):
+    """A wrong kernel that only the interpreter's address check names (skipped on a GPU)."""
+    return pytest.param(kernel, hint, marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the address check runs in Triton's interpreter; on a GPU this kernel touches memory "
+                               "outside its tensors (compute-sanitizer names it) and may take the process down"))
+
 # ---- the reference kernels of kc.kernels -------------------------------------------------------
 
 
@@ -58,6 +65,13 @@ def gelu_no_store_mask(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32) * scale
     tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)))
+
+
+@triton.jit
+def gelu_no_load_mask(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs).to(tl.float32) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=offs < n)
 
 
 @triton.jit
@@ -113,7 +127,12 @@ def test_04_1_accepts_correct(kernel):
 
 
 @pytest.mark.parametrize("kernel, hint", [
-    (gelu_no_store_mask, "mask the store with offs < n"),
+    # The address check: in the interpreter, a lane outside every tensor stops the launch and is named.
+    address_case(gelu_no_store_mask, "writes 24 lane(s) past the end of `y_ptr`, outside every tensor the kernel was given "
+                         "(it has no mask)"),
+    # The garbage read past x never reaches a stored element: only the address check sees it.
+    address_case(gelu_no_load_mask, "reads 24 lane(s) past the end of `x_ptr`, outside every tensor the kernel was given "
+                        "(it has no mask)"),
     (gelu_off_by_one, "the mask is offs < n"),
     (gelu_no_pid, "pid * BLOCK + tl.arange(0, BLOCK)"),
     (gelu_no_scale, "multiply x by scale first"),
@@ -175,6 +194,17 @@ def bias_col_mask_only(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, 
 
 
 @triton.jit
+def bias_unmasked_bias_load(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):  # the bias past n_cols is read, never stored
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@triton.jit
 def bias_per_row(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -204,7 +234,10 @@ def test_04_2_accepts_correct(kernel):
 
 @pytest.mark.parametrize("kernel, hint", [
     (bias_ncols_stride, "stride_x elements apart"),
-    (bias_col_mask_only, "the mask needs both"),
+    address_case(bias_col_mask_only, "past the end of `x_ptr`, outside every tensor the kernel was given (its mask lets "
+                         "them through)"),
+    address_case(bias_unmasked_bias_load, "reads 15 lane(s) past the end of `b_ptr`, outside every tensor the kernel was "
+                              "given (it has no mask)"),
     (bias_per_row, "one value per column"),
     (bias_swapped_pids, "tl.program_id(0) runs over blocks of rows"),
 ])
@@ -310,7 +343,7 @@ def test_04_3_accepts_correct(kernel):
     (lsm_softmax, "that is softmax"),
     (lsm_forgets_max, "subtract the max from x as well"),
     (lsm_ncols_stride, "stride_x elements apart"),
-    (lsm_no_store_mask, "mask the store"),
+    address_case(lsm_no_store_mask, "past the end of `y_ptr`, outside every tensor the kernel was given (it has no mask)"),
 ])
 def test_04_3_rejects_wrong(kernel, hint):
     passed, text = grade("04.3", log_softmax_kernel=kernel)
@@ -406,7 +439,7 @@ def test_04_4_accepts_correct(kernel):
     (rms_no_eps, "add eps inside the square root"),
     (rms_no_weight, "multiply by the weight"),
     (rms_fp16_stats, "statistics in float32"),
-    (rms_no_load_mask, "mask the load"),
+    address_case(rms_no_load_mask, "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
 ])
 def test_04_4_rejects_wrong(kernel, hint):
     passed, text = grade("04.4", rms_norm_kernel=kernel)

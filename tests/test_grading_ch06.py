@@ -3,11 +3,20 @@ different but correct answers are accepted. Kernels run in Triton's interpreter 
 import math
 
 import pytest
+
+import kernelcourse as kc
 import torch
 import triton
 import triton.language as tl
 
 from tests.helpers import grade
+
+
+def address_case(kernel, hint):
+    """A wrong kernel that only the interpreter's address check names (skipped on a GPU)."""
+    return pytest.param(kernel, hint, marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the address check runs in Triton's interpreter; on a GPU this kernel touches memory "
+                               "outside its tensors (compute-sanitizer names it) and may take the process down"))
 
 # ---- 06.1 combine split-KV partial results -------------------------------------------------------
 
@@ -368,7 +377,7 @@ def test_06_4_accepts_correct(kernel):
 
 @pytest.mark.parametrize("kernel, hint", [
     (Variant(MASK_SCORES=False), "set their scores to -inf"),
-    (Variant(MASK_LOADS=False), "0 times a NaN value is NaN"),
+    address_case(Variant(MASK_LOADS=False), "past the end of `v_ptr`, outside every tensor the kernel was given (it has no mask)"),
     (Variant(RESCALE_ACC=False), "rescale acc too"),
     (Variant(EXP2=False), "qk_scale already holds log2(e)"),
     (Variant(SUB_MAX=False), "subtract the running max before exp2"),

@@ -136,9 +136,14 @@ def explain(exc: BaseException) -> str:
         return f"{exc}: is there a loop that never ends?"
     if isinstance(exc, NotImplementedError):
         return "not written yet (the stub raises NotImplementedError)"
+    from .addresses import SANITIZER, address_error
+
+    if (bad := address_error(exc)) is not None:
+        return str(bad)
     if "illegal memory access" in str(exc).lower() or "illegal address" in str(exc).lower():
         return ("the GPU reported an illegal memory access (a load or store outside any allocation); "
-                "this process's GPU context is now unusable: fix the masks, then restart the kernel")
+                "this process's GPU context is now unusable: fix the masks, then restart the kernel; "
+                f"{SANITIZER} and see which load it was")
     if isinstance(exc, IndexError) or "out of bounds" in str(exc).lower():
         # the simulator names the first thread that failed, which varies from run to run: leave it out
         return f"out-of-bounds access{where(exc)}: a thread past the end of the data read or wrote memory"
@@ -170,10 +175,13 @@ def check(exercise_id: str, namespace: dict) -> None:
 
 
 def _grade_here(ex: Exercise, objects: dict, report: Report) -> None:
+    from .addresses import checked
+
     try:
         # Wrong answers overflow and divide by zero on purpose-made inputs: the grader's line says so,
         # and NumPy's or PyTorch's warnings about it would only add noise under it.
-        with time_limit(ex.time_limit_s), np.errstate(all="ignore"), warnings.catch_warnings():
+        # In Triton's interpreter, every load and store is checked against the tensors a launch was given.
+        with time_limit(ex.time_limit_s), np.errstate(all="ignore"), warnings.catch_warnings(), checked():
             warnings.simplefilter("ignore")
             ex.grade(report, **objects)
     except Exception as exc:  # learner code is allowed to fail in any way; grading goes on

@@ -1,0 +1,169 @@
+"""Address checks for Triton kernels graded in the interpreter (introduced in chapter 04).
+
+On a GPU, a load whose lanes point past the end of a tensor reads whatever lies there (a wrong
+result) or faults (an illegal memory access). In Triton's interpreter on the CPU the same load
+usually reads a neighbouring value without complaint, and if that value never reaches a stored
+element the kernel passes. While ``checked()`` is active, every ``tl.load`` and ``tl.store`` of a
+kernel launched in the interpreter is checked before it runs: each lane its mask lets through must
+lie inside one of the tensors the launch was given, else the launch stops with an ``AddressError``
+naming the load, the tensor it ran past and the mask it lacks.
+
+On a GPU the same check is NVIDIA's compute-sanitizer: ``compute-sanitizer --tool memcheck python
+my_kernel.py`` reports every out-of-bounds lane of every load and store, with the kernel's name.
+"""
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+
+SANITIZER = "on a GPU, run your script under `compute-sanitizer --tool memcheck python script.py` to check the same"
+
+
+class AddressError(Exception):
+    """A lane of a load or store pointed outside every tensor the kernel was given."""
+
+
+_launch_tensors: list[tuple[str, int, int]] = []  # (name, first byte, one past the last byte) of this launch
+
+
+def _extent(t) -> tuple[int, int]:
+    """The bytes a tensor (or view) may address: from its first element to one past its last."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    lo = hi = 0
+    for n, s in zip(t.shape, t.stride()):
+        (lo, hi) = (lo + (n - 1) * s, hi) if s < 0 else (lo, hi + (n - 1) * s)
+    return t.data_ptr() + lo * size, t.data_ptr() + (hi + 1) * size
+
+
+def _tensors(names, args, kwargs):
+    found = []
+
+    def visit(name, arg):
+        if isinstance(arg, tuple):
+            for i, a in enumerate(arg):
+                visit(f"{name}[{i}]", a)
+        elif hasattr(arg, "data_ptr") and hasattr(arg, "element_size"):
+            found.append((name, *_extent(arg)))
+        elif hasattr(arg, "base") and hasattr(arg.base, "data_ptr"):  # a tensor descriptor: its base tensor
+            visit(name, arg.base)
+
+    for name, arg in zip(names, args):
+        visit(name, arg)
+    for name, arg in kwargs.items():
+        visit(name, arg)
+    return found
+
+
+def _learner_line() -> str:
+    """" at line 12 (`x = tl.load(x_ptr + offs)`)": the kernel's source line running the access."""
+    import triton
+
+    skip = (os.path.dirname(triton.__file__), os.path.dirname(__file__))
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(skip):
+            text = linecache.getline(filename, frame.f_lineno).strip()
+            return f" at line {frame.f_lineno}" + (f" (`{text}`)" if text else "")
+        frame = frame.f_back
+    return ""
+
+
+def _check(kind: str, ptrs, mask, itemsize: int, masked: bool) -> None:
+    p = np.asarray(ptrs).astype(np.uint64, copy=False).ravel()
+    m = np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).ravel() if mask is not None else None
+    live = p if m is None else p[m]
+    if live.size == 0 or not _launch_tensors:
+        return
+    inside = np.zeros(live.shape, dtype=bool)
+    for _, lo, hi in _launch_tensors:
+        inside |= (live >= lo) & (live + itemsize <= hi)
+    if inside.all():
+        return
+    bad = live[~inside]
+    first = int(bad[0])
+    # name the tensor the lanes ran past: the nearest one that ends at or below them, else the next one
+    below = [(first - hi, name) for name, lo, hi in _launch_tensors if lo <= first and hi < first + itemsize]
+    above = [(lo - first, name) for name, lo, hi in _launch_tensors if lo > first]
+    place = (f"past the end of `{min(below)[1]}`" if below else
+             f"before the start of `{min(above)[1]}`" if above else "outside every tensor")
+    verb = "reads" if kind == "load" else "writes"
+    why = "its mask lets them through" if masked else "it has no mask"
+    raise AddressError(f"tl.{kind}{_learner_line()} {verb} {bad.size} lane(s) {place}, outside every tensor "
+                       f"the kernel was given ({why}): on a GPU that is a wrong result or an illegal memory "
+                       "access; its mask must be False for every lane past the end of the data "
+                       "(e.g. `offs < n`; in 2D, rows and columns both)")
+
+
+@contextmanager
+def checked():
+    """Check every load and store of Triton kernels launched in the interpreter while this is active.
+
+    Does nothing where Triton is not running in its interpreter (on a GPU, use compute-sanitizer).
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:  # no Triton: nothing to check
+        yield
+        return
+    cls, grid = ti.InterpreterBuilder, ti.GridExecutor
+    saved = {name: getattr(cls, name) for name in ("create_load", "create_store", "create_masked_load",
+                                                     "create_masked_store")}
+    saved_init = grid._init_args_hst
+
+    def init_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = saved_init(self, args_dev, kwargs)
+        _launch_tensors[:] = _tensors(self.arg_names, args_hst, kwargs_hst)
+        return args_hst, kwargs_hst
+
+    def itemsize(ptrs) -> int:
+        return np.dtype(ti._get_np_dtype(ptrs.get_element_ty())).itemsize
+
+    def create_load(self, ptr, c, e, is_volatile):
+        _check("load", ptr.data, None, itemsize(ptr), masked=False)
+        return saved["create_masked_load"](self, ptr, ti.TensorHandle(np.ones_like(ptr.data, dtype=bool), ti.tl.int1),
+                                           None, c, e, is_volatile)
+
+    def create_store(self, ptr, val, c, e):
+        _check("store", ptr.data, None, itemsize(ptr), masked=False)
+        return saved["create_masked_store"](self, ptr, val, ti.TensorHandle(np.ones_like(ptr.data, dtype=bool),
+                                                                              ti.tl.int1), None, None)
+
+    def create_masked_load(self, ptrs, mask, other, c, e, is_volatile):
+        _check("load", ptrs.data, mask.data, itemsize(ptrs), masked=True)
+        return saved["create_masked_load"](self, ptrs, mask, other, c, e, is_volatile)
+
+    def create_masked_store(self, ptrs, value, mask, c, e):
+        _check("store", ptrs.data, mask.data, itemsize(ptrs), masked=True)
+        return saved["create_masked_store"](self, ptrs, value, mask, c, e)
+
+    cls.create_load, cls.create_store = create_load, create_store
+    cls.create_masked_load, cls.create_masked_store = create_masked_load, create_masked_store
+    grid._init_args_hst = init_args
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+        grid._init_args_hst = saved_init
+        _launch_tensors.clear()
+
+
+def address_error(exc: BaseException) -> AddressError | None:
+    """The ``AddressError`` behind ``exc`` (the interpreter wraps it in its own error), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, AddressError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
