@@ -78,12 +78,15 @@ class Report:
     failures: int = 0
     skipped: int = 0
     sink: Callable[[str], None] = lambda line: print(line, flush=True)
+    seed: int | None = None  # set by ``fresh_rng``: failing lines name it, so the cases can be drawn again
 
     def ok(self, what: str) -> None:
         self._add(f"{PASS} {what}")
 
     def fail(self, what: str) -> None:
         self.failures += 1
+        if self.seed is not None:
+            what += f" [seed {self.seed}: {SEED_VARIABLE}={self.seed} draws these cases again]"
         self._add(f"{FAIL} {what}")
 
     def not_graded(self, what: str) -> None:
@@ -98,6 +101,21 @@ class Report:
     def expect(self, condition: bool, passed: str, failed: str) -> bool:
         (self.ok if condition else self.fail)(passed if condition else failed)
         return condition
+
+
+SEED_VARIABLE = "KC_GRADE_SEED"
+
+
+def fresh_rng(report: Report) -> np.random.Generator:
+    """A generator for this run's cases: drawn fresh on every run, so that a table of answers cannot pass.
+
+    The seed comes from the environment variable ``KC_GRADE_SEED`` when it is set (to draw a failing
+    run's cases again: ``os.environ["KC_GRADE_SEED"] = "123456"`` in the notebook), else at random;
+    every failing line of the report names it.
+    """
+    text = os.environ.get(SEED_VARIABLE, "").strip()
+    report.seed = int(text) if text.isdigit() else int(np.random.SeedSequence().entropy % 1_000_000)
+    return np.random.default_rng(report.seed)
 
 
 @contextmanager
