@@ -1,9 +1,11 @@
 """Graders for chapter 02, roofline analysis: FLOPs, bytes, intensity, ridge, bounds (plain numbers).
 
-Every exercise is a formula. Each grader calls the learner's function on several inputs (drawn from
-fixed seeds, so the output lines are the same on every run, and never zero), compares with the answer
-at a relative tolerance of 1e-4, and on a mismatch recognises the usual mistakes by recomputing them
-("you counted the output twice") before falling back to a hint about the formula.
+Every exercise is a formula. Each grader calls the learner's function on several inputs, drawn fresh
+on every run (the seed is on every failing line, and ``KC_GRADE_SEED`` draws the same cases again) and
+never zero, compares with the answer at a relative tolerance of 1e-4, and on a mismatch recognises the
+usual mistakes by recomputing them ("you counted the output twice") before falling back to a hint
+about the formula. The first case is drawn so that the usual mistakes all give different numbers
+there, so the hint names the right one.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import Report, as_number, exercise, guarded
+from . import Report, as_number, exercise, fresh_rng, guarded
 
 RTOL = 1e-4
 
@@ -50,6 +52,16 @@ def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutan
         return
 
 
+def separating(rng, draw, truth, mutants, tries: int = 1000) -> dict:
+    """A case from ``draw(rng)`` on which the answer and every known mistake give different numbers."""
+    for _ in range(tries):
+        case = draw(rng)
+        values = [truth(**case)] + [wrong for wrong, _ in mutants(**case)]
+        if all(not _close(a, b) for i, a in enumerate(values) for b in values[i + 1:]):
+            return case
+    return case
+
+
 # ---- 02.1 intensity of vector add ----------------------------------------------------------------------
 
 
@@ -83,13 +95,15 @@ def grade_vector_add_intensity(report: Report, vector_add_intensity):
 
 @exercise("02.2", "FLOPs and minimal bytes of a matmul", names=("matmul_flops_bytes",), time_limit_s=10)
 def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
-    rng = np.random.default_rng(202)
-    # not square, so that mixing up M, N and K shows; itemsize 2 and 1 so that a hard-coded 4 shows
-    cases = [{"M": 4096, "N": 4096, "K": 4096, "itemsize": 2},
-             {"M": int(rng.integers(2, 300)), "N": int(rng.integers(300, 5000)), "K": int(rng.integers(10, 80)),
+    rng = fresh_rng(report)
+    # fresh every run; not square, so that mixing up M, N and K shows; itemsize 2 and 1 first, so that
+    # a hard-coded 4 shows at once
+    cases = [{"M": int(rng.integers(2, 300)), "N": int(rng.integers(300, 5000)), "K": int(rng.integers(10, 80)),
               "itemsize": 2},
-             {"M": 1, "N": 8192, "K": 8192, "itemsize": 1},
-             {"M": int(rng.integers(500, 3000)), "N": 7, "K": int(rng.integers(3000, 9000)), "itemsize": 4}]
+             {"M": 1, "N": int(rng.integers(1000, 9000)), "K": int(rng.integers(1000, 9000)), "itemsize": 1},
+             {"M": int(rng.integers(500, 3000)), "N": 7, "K": int(rng.integers(3000, 9000)), "itemsize": 4},
+             {"M": int(rng.integers(1000, 9000)), "N": int(rng.integers(1000, 9000)),
+              "K": int(rng.integers(1000, 9000)), "itemsize": 8}]
     for case in cases:
         M, N, K, s = case["M"], case["N"], case["K"], case["itemsize"]
         call, got, raised = _call(report, matmul_flops_bytes, "matmul_flops_bytes", case)
@@ -204,10 +218,11 @@ def grade_layernorm_intensity(report: Report, layernorm_intensity):
 
 @exercise("02.5", "ridge point from two ceilings", names=("ridge_point",), time_limit_s=10)
 def grade_ridge_point(report: Report, ridge_point):
-    rng = np.random.default_rng(205)
-    cases = [{"peak_tflops": 989.5, "bandwidth_gbps": 3350.0}, {"peak_tflops": 65.0, "bandwidth_gbps": 300.0}]
-    cases += [{"peak_tflops": round(float(rng.uniform(5, 1000)), 1),
-               "bandwidth_gbps": round(float(rng.uniform(200, 5000)), 1)} for _ in range(2)]
+    rng = fresh_rng(report)
+
+    def draw(rng):
+        return {"peak_tflops": round(float(rng.uniform(5, 1000)), 1),
+                "bandwidth_gbps": round(float(rng.uniform(200, 5000)), 1)}
 
     def truth(peak_tflops, bandwidth_gbps):
         return peak_tflops * 1e12 / (bandwidth_gbps * 1e9)
@@ -224,6 +239,7 @@ def grade_ridge_point(report: Report, ridge_point):
             (peak_tflops * 1e12 / (bandwidth_gbps * 1e6), "GB/s is 10^9 bytes per second"),
         ]
 
+    cases = [separating(rng, draw, truth, mutants)] + [draw(rng) for _ in range(3)]
     _grade_number(report, ridge_point, "ridge_point", cases, truth, mutants, "FLOP/B",
                   "the ridge is the intensity where intensity × bandwidth = peak: peak FLOP/s ÷ bytes/s")
 
@@ -233,12 +249,15 @@ def grade_ridge_point(report: Report, ridge_point):
 
 @exercise("02.6", "memory- or compute-bound", names=("classify",), time_limit_s=10)
 def grade_classify(report: Report, classify):
-    rng = np.random.default_rng(206)
-    gpus = [(989.5, 3350.0), (65.0, 300.0), (19.5, 2039.0)]
+    rng = fresh_rng(report)
     cases = []
-    # intensities on both sides of the ridge, some close to it, one a bit past ridge / 1000
-    for factor in (0.01, 0.5, 0.9, 1.15, 3.0, 200.0, 0.004):
-        peak, bw = gpus[len(cases) % len(gpus)]
+    # Fresh every run. Intensities far from the ridge on both sides, a bit past ridge / 1000 (a ridge
+    # in TFLOP/s ÷ GB/s), and within a few percent of it on both sides: a ridge in GiB/s (7% off) or
+    # in 2^40 / 2^30 units (2.4% off) puts those on the wrong side.
+    factors = [0.01, 200.0, 0.004, float(rng.uniform(1.005, 1.02)), float(rng.uniform(0.98, 0.995)),
+               float(rng.uniform(1.03, 1.06)), float(rng.uniform(0.94, 0.97)), 0.5, 3.0]
+    for factor in factors:
+        peak, bw = round(float(rng.uniform(10, 1000)), 1), round(float(rng.uniform(200, 5000)), 1)
         nbytes = int(rng.integers(10**6, 10**9))
         ridge = peak * 1e12 / (bw * 1e9)
         cases.append({"flops": int(factor * ridge * nbytes), "nbytes": nbytes, "peak_tflops": peak,
@@ -268,9 +287,12 @@ def grade_classify(report: Report, classify):
         if got == want:
             report.ok(f"{call} = {want!r} (intensity {i:.4g} FLOP/B, ridge {ridge:.4g} FLOP/B)")
             continue
-        if want == "memory" and i > ridge / 1000:
+        if want == "memory" and i > ridge / 1000 and i < ridge / 100:
             hint = ("the ridge must be in FLOPs per byte: TFLOP/s × 10^12 ÷ (GB/s × 10^9), "
                     "not TFLOP/s ÷ GB/s")
+        elif 0.9 < i / ridge < 1.1:
+            hint = ("this op is within a few percent of the ridge: the units must be exact, TFLOP/s is 10^12 "
+                    "FLOP/s and GB/s is 10^9 bytes/s (not 2^40 or 2^30), and the test is intensity < ridge")
         else:
             hint = "compare the intensity (FLOPs / bytes) with the ridge (peak FLOP/s ÷ bandwidth in bytes/s)"
         report.fail(f"{call} returned {got!r}: intensity {i:.4g} FLOP/B is "
@@ -283,10 +305,10 @@ def grade_classify(report: Report, classify):
 
 
 def _gpu_cases(rng, n: int) -> list[dict]:
-    """Ops on both sides of the ridge of an H100-like and a T4-like GPU."""
+    """Ops on both sides of the ridge (memory-bound first) of GPUs drawn at random."""
     cases = []
     for k in range(n):
-        peak, bw = [(989.5, 3350.0), (65.0, 300.0)][k % 2]
+        peak, bw = round(float(rng.uniform(10, 1000)), 1), round(float(rng.uniform(200, 5000)), 1)
         ridge = peak * 1e12 / (bw * 1e9)
         nbytes = int(rng.integers(10**6, 10**10))
         factor = [0.05, 8.0, 0.7, 40.0][k % 4]
@@ -297,7 +319,7 @@ def _gpu_cases(rng, n: int) -> list[dict]:
 
 @exercise("02.7", "lower-bound time of an op", names=("min_time_ms",), time_limit_s=10)
 def grade_min_time(report: Report, min_time_ms):
-    cases = _gpu_cases(np.random.default_rng(207), 4)
+    cases = _gpu_cases(fresh_rng(report), 4)
 
     def parts(flops, nbytes, peak_tflops, bandwidth_gbps):
         return flops / (peak_tflops * 1e12), nbytes / (bandwidth_gbps * 1e9)
@@ -327,7 +349,7 @@ def grade_min_time(report: Report, min_time_ms):
 
 @exercise("02.8", "fraction of the roofline reached", names=("fraction_of_roofline",), time_limit_s=10)
 def grade_fraction(report: Report, fraction_of_roofline):
-    rng = np.random.default_rng(208)
+    rng = fresh_rng(report)
     cases = _gpu_cases(rng, 4)
     for case, frac in zip(cases, rng.uniform(0.3, 0.95, len(cases))):
         c = case["flops"] / (case["peak_tflops"] * 1e12)
