@@ -120,10 +120,11 @@ def attention64(q, k, v, scale, causal=False, keep=None, fill=-np.inf):
 def tiled64(q, k, v, scale, block_n, bug=None):
     """Tiled attention of one head in float64, the way a kernel does it, optionally with a typical
     bug: "no_rescale_acc", "no_rescale_l", "no_rescale", "inverted_rescale", "tail_as_zero" (keys
-    past N padded with zeros and not masked), "no_normalise", "last_tile_missing". Returns (o, lse)."""
+    past N padded with zeros and not masked), "no_normalise", "last_tile_missing", "max_from_zero" (the
+    running max started at 0, not -inf). Returns (o, lse)."""
     n, d = k.shape
     rows = q.shape[0]
-    m = np.full(rows, -np.inf)
+    m = np.zeros(rows) if bug == "max_from_zero" else np.full(rows, -np.inf)
     l = np.zeros(rows)
     acc = np.zeros((rows, v.shape[1]))
     if bug == "tail_as_zero" and n % block_n:
@@ -319,6 +320,9 @@ def _stats_mistakes(blocks):
     first = xs[0].max()
     out.append(("m is the max over every block, not the first block's", first, np.exp(allx - first).sum()))
     out.append(("return (m, l) with l = Σ exp(x - m), not the log of it", m_all, np.log(np.exp(allx - m_all).sum())))
+    if m_all < 0:  # a running max started at 0: on a row below 0 it stays 0, and every exp(x - 0) underflows
+        out.insert(0, ("start the running max at -inf, not 0: on a row whose values are all below 0 it stays 0, "
+                       "and exp(x - 0) underflows", 0.0, np.exp(allx).sum()))
     return out
 
 
@@ -333,9 +337,14 @@ def grade_online_stats(report: Report, online_softmax_stats):
             what = f"{what}, seed {seed}"
             stream = _Stream([torch.from_numpy(b.copy()) for b in blocks])
             before = report.failures
-            got = guarded(report, what, online_softmax_stats, stream)
+            got = guarded(report, what, _largest_made, online_softmax_stats, stream)
             if report.failures > before:
                 return
+            got, numel, shape = got
+            longest, row = max(b.size for b in blocks), sum(b.size for b in blocks)
+            if numel > longest and numel >= row:
+                return report.fail(f"{what}: a tensor of shape {shape} was made, as large as the whole row of {row} "
+                                   "values: keep only the running max and sum, one block at a time")
             got = _pair(report, f"online_softmax_stats ({what})", got)
             if got is None:
                 return
@@ -409,10 +418,28 @@ def _worst_of(truth_o, truth_lse, scores, v):
     return worst[0], worst[1]
 
 
+BELOW = -1000.0  # a logit scale below 0: every score of every row near this value, far below 0
+
+
+def _causal_from_zero(q, k, v, scale):
+    """Causal attention whose running max starts at 0: rows whose scores are all far below 0 give NaN."""
+    o, lse = attention64(q, k, v, scale, causal=True)
+    s = np.where(np.tril(np.ones((q.shape[0], k.shape[0]), dtype=bool)), q @ k.T * scale, -np.inf)
+    dead = np.exp(s).sum(axis=1) == 0  # exp(s - 0) underflows for every key of the row
+    o, lse = o.copy(), lse.copy()
+    o[dead], lse[dead] = np.nan, -np.inf
+    return o, lse
+
+
 def _attention_inputs(rng, n_q, n_k, d, logit_scale):
-    """q, k, v in float64 (exactly float32 values) with scores around ±logit_scale."""
-    q = _rand(rng, (n_q, d)) * math.sqrt(logit_scale)
-    k = _rand(rng, (n_k, d)) * math.sqrt(logit_scale)
+    """q, k, v in float64 (exactly float32 values) with scores around ±logit_scale; with a negative
+    ``logit_scale``, scores around ±1 shifted to about ``logit_scale``, so that every score a row sees is
+    far below 0 (a running max started at 0 instead of -inf makes every exp underflow there: 0 / 0)."""
+    q = _rand(rng, (n_q, d)) * math.sqrt(abs(logit_scale) if logit_scale > 0 else 1.0)
+    k = _rand(rng, (n_k, d)) * math.sqrt(abs(logit_scale) if logit_scale > 0 else 1.0)
+    if logit_scale < 0:  # column 0 adds logit_scale to every scaled score: q0 · k0 / sqrt(d) = logit_scale
+        q[:, 0] = math.sqrt(-logit_scale) * d ** 0.25
+        k[:, 0] = -math.sqrt(-logit_scale) * d ** 0.25
     v = _rand(rng, (n_k, d))
     return exact_f32(q), exact_f32(k), exact_f32(v)
 
@@ -426,7 +453,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
     cases = [(16, 64, 8, 16, 1.0, False), (20, 70, 16, 16, 1.0, False), (1, 37, 8, 8, 1.0, False),
              (24, 100, 16, 32, 300.0, False), (33, 45, 32, 64, 1.0, False), (40, 129, 8, 32, 30.0, False),
              (20, 70, 16, 16, 1.0, True), (48, 48, 8, 16, 1.0, True), (40, 29, 8, 16, 1.0, True),
-             (24, 100, 16, 32, 300.0, True)]
+             (24, 100, 16, 32, 300.0, True), (12, 40, 16, 16, BELOW, False), (12, 40, 16, 16, BELOW, True)]
     for i, (n_q, n_k, d, bn, ls, causal) in enumerate(cases):
         for seed in (0, 1):
             rng = np.random.default_rng(6300 + 10 * i + seed)
@@ -434,7 +461,8 @@ def grade_tiled_attention(report: Report, tiled_attention):
             scale = 1.0 / math.sqrt(d)
             truth_o, truth_lse = attention64(q, k, v, scale, causal)
             what = (f"N_Q={n_q}, N_K={n_k}, d={d}, block_n={bn}{', causal' if causal else ''}"
-                    f"{', large logits' if ls > 10 else ''}, seed {seed}")
+                    f"{', large logits' if ls > 10 else ''}{', every score near -1000' if ls < 0 else ''}, "
+                    f"seed {seed}")
             tq, tk, tv = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v))
             before = report.failures
             got = guarded(report, what, _largest_made, tiled_attention, tq, tk, tv, bn, causal)
@@ -456,7 +484,9 @@ def grade_tiled_attention(report: Report, tiled_attention):
                     ("the rescale factor is exp(m_old - m_new) <= 1, not exp(m_new - m_old)", "inverted_rescale"),
                     ("the last tile of keys is partial (N_K is not a multiple of block_n): loop over "
                      "range(0, N_K, block_n)", "last_tile_missing"),
-                    ("divide acc by l at the end: o = acc / l", "no_normalise")]
+                    ("divide acc by l at the end: o = acc / l", "no_normalise"),
+                    ("start the running max at -inf, not 0: when every score of a row is far below 0, "
+                     "exp(s - 0) underflows to 0 and o = 0 / 0", "max_from_zero")]
             if causal:
                 rows, cols = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
                 masks = [("query i sees key i too: mask the keys j > i, not j >= i (row 0 sees key 0 alone)",
@@ -467,6 +497,8 @@ def grade_tiled_attention(report: Report, tiled_attention):
                           dict(causal=True, fill=0.0)),
                          ("with causal=True, query i sees only the keys j <= i: mask the others", dict())]
                 mistakes = [(h, attention64(q, k, v, scale, **kw)) for h, kw in masks]
+                mistakes.append((bugs[-1][0], tiled64(q, k, v, scale, bn, "max_from_zero")) if not causal else
+                                (bugs[-1][0], _causal_from_zero(q, k, v, scale)))
             else:
                 mistakes = [(h, tiled64(q, k, v, scale, bn, bug)) for h, bug in bugs]
             ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
@@ -528,7 +560,8 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
              (1, 24, 64, 32, 16, 32, "fp32", 300.0, 2),   # scores of ±1000
              (3, 45, 77, 32, 32, 32, "fp32", 30.0, 3),
              (2, 33, 100, 64, 32, 32, "fp16", 1.0, 4),
-             (1, 16, 9, 16, 16, 16, "fp32", 1.0, 5)]      # fewer keys than one tile
+             (1, 16, 9, 16, 16, 16, "fp32", 1.0, 5),      # fewer keys than one tile
+             (1, 16, 40, 16, 16, 16, "fp32", BELOW, 9)]   # every score far below 0
     if gpu:  # tl.dot on float32 is TF32 on a GPU: grade in half precision there, with larger sizes
         cases = [(h, nq, nk, d, bm, bn, "fp16", ls, s) for h, nq, nk, d, bm, bn, _, ls, s in cases]
         cases += [(4, 300, 1000, 64, 64, 64, "fp16", 30.0, 6), (2, 129, 257, 128, 64, 32, "fp16", 1.0, 7)]
@@ -549,7 +582,8 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         scale = 1.0 / math.sqrt(d)
         grid = (-(-n_q // bm), heads)
         what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, "
-                f"BLOCK_N={bn}, {dtype}{', large logits' if ls > 10 else ''}")
+                f"BLOCK_N={bn}, {dtype}{', large logits' if ls > 10 else ''}"
+                f"{', every score near -1000' if ls < 0 else ''}")
         if not launch(report, what, attention_fwd_kernel, grid, tq, tk, tv, to, scale * LOG2E,
                        tq.stride(0), tk.stride(0), tv.stride(0), to.stride(0), n_q, n_k,
                        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn):
@@ -587,6 +621,8 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
              "qk_scale / log2(e)", all_heads(scale * LOG2E)),
             ("multiply the scores by qk_scale", all_heads(LOG2E)),
             ("the loop must cover the last, partial tile too", per_head("last_tile_missing") if tail else None),
+            ("start m_i at -inf, not 0: when every score of a row is far below 0, exp2(s - 0) underflows to 0 "
+             "and acc / l_i is 0 / 0", per_head("max_from_zero") if ls < 0 else None),
         ]
         hint = _diagnose(got, mistakes, truth)
         if hint is None and bad.any() and tail:
@@ -780,13 +816,15 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         report.ok(line)
 
     # probs_from_lse: recompute one tile of P from q, k and the saved lse, as the backward pass does
-    for i, (n_q, n_k, d, ls) in enumerate([(8, 16, 8, 1.0), (5, 33, 16, 300.0), (1, 7, 4, 1.0)]):
+    for i, (n_q, n_k, d, ls) in enumerate([(8, 16, 8, 1.0), (5, 33, 16, 300.0), (2, 7, 4, 1.0)]):
         rng = np.random.default_rng(6650 + i)
         q, k, _ = _attention_inputs(rng, n_q, n_k, d, ls)
         scale = 1.0 / math.sqrt(d)
         s = q @ k.T * scale
         lse = s.max(axis=1) + np.log(np.exp(s - s.max(axis=1, keepdims=True)).sum(axis=1))
-        lse32 = exact_f32(lse)
+        # Every other row gets an lse a little off the true one (as saved from slightly different scores):
+        # P must come from the lse given, so a softmax computed afresh from the scores does not match there.
+        lse32 = exact_f32(lse + np.where(np.arange(n_q) % 2 == 1, rng.uniform(0.1, 0.7, n_q), 0.0))
         truth = np.exp(s - lse32[:, None])
         tq, tk = torch.tensor(q, dtype=torch.float32), torch.tensor(k, dtype=torch.float32)
         what = f"probs_from_lse, N_Q={n_q}, N_K={n_k}, d={d}" + (", large logits" if ls > 10 else "")
@@ -803,6 +841,10 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                         ("lse is a natural log: P = exp(s - lse), not exp2", np.exp2(s - lse32[:, None])),
                         ("subtract each row's own lse: lse[:, None], one per query row", np.exp(s - lse32[None, :n_k])
                          if n_k <= n_q else None),
+                        ("P = exp(s - lse) with the lse given: no max and no sum of your own (the grader gives some "
+                         "rows an lse that is not theirs, and a softmax computed afresh misses it)",
+                         np.exp(s - s.max(axis=1, keepdims=True)) / np.exp(s - s.max(axis=1, keepdims=True)).sum(
+                             axis=1, keepdims=True)),
                         ("P = exp(s - lse): no further normalisation, no max (lse already holds both)",
                          np.exp(s - s.max(axis=1, keepdims=True)))]
             return _fail(report, line, _diagnose(got, mistakes, truth))
