@@ -11,6 +11,13 @@ from kernelcourse import kernels
 from tests.helpers import grade
 
 
+def dtype_case(kernel, hint):
+    """A kernel computing in float16 where the statement asks for float32, named by the interpreter's dtype
+    check (on a GPU only its numbers are graded)."""
+    return pytest.param(kernel, hint, marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the float32 check runs in Triton's interpreter"))
+
+
 def address_case(kernel, hint):
     """A wrong kernel that only the interpreter's address check names (skipped on a GPU)."""
     return pytest.param(kernel, hint, marks=pytest.mark.skipif(
@@ -72,6 +79,15 @@ def gelu_no_load_mask(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs).to(tl.float32) * scale
     tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=offs < n)
+
+
+@triton.jit
+def gelu_fp16_scale(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):  # scaled in float16, then converted
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    x = (x * scale).to(tl.float32)
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
 
 
 @triton.jit
@@ -140,6 +156,7 @@ def test_04_1_accepts_correct(kernel):
     # Compiled for a GPU, this version stays within the fp16 tolerance; only the interpreter tells it apart.
     pytest.param(gelu_fp16_math, "x.to(tl.float32)",
                  marks=pytest.mark.skipif(kc.world().gpu, reason="fp16 math only in the interpreter")),
+    dtype_case(gelu_fp16_scale, "(`x = (x * scale).to(tl.float32)`) computes in fp16: do the math in float32"),
     (gelu_plain_python, "@triton.jit"),
 ])
 def test_04_1_rejects_wrong(kernel, hint):
@@ -331,6 +348,18 @@ def lsm_no_store_mask(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.conste
     tl.store(y_ptr + row * stride_y + cols, z - tl.log(tl.sum(tl.exp(z), axis=0)))
 
 
+@triton.jit
+def lsm_fp16_shift(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    # the shift and the final subtraction in the input's dtype: float16 arithmetic, float32 only for exp
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf"))
+    z = x - tl.max(x, axis=0).to(x.dtype)
+    y = z - tl.log(tl.sum(tl.exp(z.to(tl.float32)), axis=0)).to(x.dtype)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
 @pytest.mark.parametrize("kernel", [lsm_ok, lsm_ok_exp2])
 def test_04_3_accepts_correct(kernel):
     passed, text = grade("04.3", log_softmax_kernel=kernel)
@@ -343,6 +372,7 @@ def test_04_3_accepts_correct(kernel):
     (lsm_softmax, "that is softmax"),
     (lsm_forgets_max, "subtract the max from x as well"),
     (lsm_ncols_stride, "stride_x elements apart"),
+    dtype_case(lsm_fp16_shift, "(`z = x - tl.max(x, axis=0).to(x.dtype)`) computes in fp16: do the math in float32"),
     address_case(lsm_no_store_mask, "past the end of `y_ptr`, outside every tensor the kernel was given (it has no mask)"),
 ])
 def test_04_3_rejects_wrong(kernel, hint):
@@ -438,7 +468,7 @@ def test_04_4_accepts_correct(kernel):
     (rms_block_mean, "not BLOCK"),
     (rms_no_eps, "add eps inside the square root"),
     (rms_no_weight, "multiply by the weight"),
-    (rms_fp16_stats, "statistics in float32"),
+    dtype_case(rms_fp16_stats, "(`ms = tl.sum(x * x, axis=0) / n_cols`) computes in fp16: do the math in float32"),
     address_case(rms_no_load_mask, "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
 ])
 def test_04_4_rejects_wrong(kernel, hint):

@@ -154,9 +154,9 @@ def explain(exc: BaseException) -> str:
         return f"{exc}: is there a loop that never ends?"
     if isinstance(exc, NotImplementedError):
         return "not written yet (the stub raises NotImplementedError)"
-    from .addresses import SANITIZER, address_error
+    from .addresses import SANITIZER, interpreter_error
 
-    if (bad := address_error(exc)) is not None:
+    if (bad := interpreter_error(exc)) is not None:
         return str(bad)
     if "illegal memory access" in str(exc).lower() or "illegal address" in str(exc).lower():
         return ("the GPU reported an illegal memory access (a load or store outside any allocation); "

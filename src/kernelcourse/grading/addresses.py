@@ -8,7 +8,10 @@ kernel launched in the interpreter is checked before it runs: each lane its mask
 lie inside one of the tensors the launch was given, else the launch stops with an ``AddressError``
 naming the load, the tensor it ran past and the mask it lacks.
 
-On a GPU the same check is NVIDIA's compute-sanitizer: ``compute-sanitizer --tool memcheck python
+``float32_math()`` checks, the same way, that arithmetic a statement asks for in float32 is not done
+in float16.
+
+On a GPU the address check is NVIDIA's compute-sanitizer: ``compute-sanitizer --tool memcheck python
 my_kernel.py`` reports every out-of-bounds lane of every load and store, with the kernel's name.
 """
 from __future__ import annotations
@@ -158,11 +161,61 @@ def checked():
         _launch_tensors.clear()
 
 
-def address_error(exc: BaseException) -> AddressError | None:
-    """The ``AddressError`` behind ``exc`` (the interpreter wraps it in its own error), or None."""
+# ---- float32 math ----------------------------------------------------------------------------------
+
+MATH = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2", "sqrt": "tl.sqrt",
+        "precise_sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt", "erf": "tl.erf", "fadd": "+", "fsub": "-",
+        "fmul": "*", "fdiv": "/", "precise_divf": "tl.div_rn", "fma": "tl.fma"}
+
+
+class PrecisionError(Exception):
+    """Arithmetic of a kernel that must compute in float32 got a 16-bit float."""
+
+
+@contextmanager
+def float32_math():
+    """While active, arithmetic (+, -, *, /) or a math function (tl.exp, tl.log, tl.sqrt, ...) of a
+    kernel launched in the interpreter that gets float16 or bfloat16 stops the launch with a
+    ``PrecisionError`` naming the line.
+
+    For exercises whose statement asks for float32 math: the interpreter's float16 results can stay
+    within a tolerance that a GPU's would not, so this check looks at the dtype instead.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:
+        yield
+        return
+    cls = ti.InterpreterBuilder
+    saved = {name: getattr(cls, f"create_{name}") for name in MATH}
+
+    def checking(name, original):
+        def create(self, arg, *rest):
+            if arg.dtype.is_fp16() or arg.dtype.is_bf16():
+                raise PrecisionError(
+                    f"`{MATH[name]}`{_learner_line()} computes in {arg.dtype}: do the math in float32, as the "
+                    "statement asks (convert what you load with x.to(tl.float32), and convert back only when "
+                    "storing)")
+            return original(self, arg, *rest)
+        return create
+
+    for name, original in saved.items():
+        setattr(cls, f"create_{name}", checking(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(cls, f"create_{name}", original)
+
+
+def interpreter_error(exc: BaseException) -> Exception | None:
+    """The ``AddressError`` or ``PrecisionError`` behind ``exc`` (the interpreter wraps them), or None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, AddressError):
+        if isinstance(exc, (AddressError, PrecisionError)):
             return exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__

@@ -12,11 +12,13 @@ Chapter 05's graders use the helpers here.
 """
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 
 from ..world import world
 from . import POISON, Report, compare, exercise, explain
+from .addresses import float32_math
 
 GUARD = 1024  # elements of frame after 1D data: at least the largest block a grader launches
 NAN = float("nan")
@@ -33,6 +35,16 @@ def not_a_kernel(obj, name: str) -> str | None:
     if callable(obj):
         return f"{name} is a plain Python function: decorate it with @triton.jit so it can be launched as {name}[grid](...)"
     return f"{name} is not a kernel (got {type(obj).__name__}): define it with @triton.jit"
+
+
+def in_float32(grade):
+    """A grader whose statement asks for float32 math: in the interpreter, a math function of the
+    learner's kernel that gets float16 stops the launch (the interpreter would hide the lost precision)."""
+    @functools.wraps(grade)
+    def graded(report, **objects):
+        with float32_math():
+            return grade(report, **objects)
+    return graded
 
 
 def torch_dtype(name: str):
@@ -195,6 +207,7 @@ def gelu64(x):
 
 
 @exercise("04.1", "fused scale + GELU", names=("scale_gelu_kernel",))
+@in_float32
 def grade_scale_gelu(report: Report, scale_gelu_kernel):
     import torch
     import torch.nn.functional as F
@@ -322,6 +335,7 @@ def log_softmax64(x):
 
 
 @exercise("04.3", "row log-softmax", names=("log_softmax_kernel",))
+@in_float32
 def grade_log_softmax(report: Report, log_softmax_kernel):
     import torch
     import triton
@@ -388,6 +402,7 @@ def rms_norm64(x, w, eps):
 
 
 @exercise("04.4", "RMSNorm row kernel", names=("rms_norm_kernel",))
+@in_float32
 def grade_rms_norm(report: Report, rms_norm_kernel):
     import torch
     import triton
