@@ -1,6 +1,7 @@
 """Chapter 01's graders: typical wrong answers are rejected with a message that teaches, and
 different but correct answers are accepted. Kernels run in numba's simulator on the CPU."""
 import math
+from fractions import Fraction
 
 import pytest
 from numba import cuda
@@ -66,7 +67,7 @@ def test_01_1_accepts_correct(kernel):
     (add_no_bounds_check, "bounds check"),
     (add_thread_index_only, "global index"),
     (add_off_by_one, "never written"),
-    (add_wrong_operand, "max error"),
+    (add_wrong_operand, "out[i] = x[i] + x[i]: add y[i], not x[i] twice"),
     (add_not_a_kernel, "@cuda.jit"),
 ])
 def test_01_1_rejects_wrong(kernel, hint):
@@ -167,7 +168,7 @@ def test_01_3_accepts_correct(kernel):
     (axpy_block_stride, "updated twice"),
     (axpy_fixed_trips, "while i < n"),
     (axpy_off_by_one, "i < n"),
-    (axpy_overwrites, "max error"),
+    (axpy_overwrites, "y holds a * x alone: add to it, y[i] += a * x[i]"),
 ])
 def test_01_3_rejects_wrong(kernel, hint):
     passed, text = grade("01.3", axpy_kernel=kernel)
@@ -302,3 +303,9 @@ def test_a_seed_draws_the_same_cases(monkeypatch):
     monkeypatch.setenv("KC_GRADE_SEED", "4242")
     first, second = grade("01.2", grid_size=lambda n, b: n // b), grade("01.2", grid_size=lambda n, b: n // b)
     assert first == second and "[seed 4242: KC_GRADE_SEED=4242 draws these cases again]" in first[1]
+
+
+def test_01_2_agrees_with_exact_rational_ceil():
+    # an independent oracle: the ceiling of the exact fraction n / block, no integer trick, no float
+    passed, text = grade("01.2", grid_size=lambda n, b: math.ceil(Fraction(n, b)))
+    assert passed, text

@@ -1,7 +1,10 @@
 """Chapter 02's graders: typical wrong formulas are rejected with a message that teaches, and different
 but correct formulas are accepted."""
+from fractions import Fraction
+
 import numpy as np
 import pytest
+import torch
 
 from tests.helpers import grade
 
@@ -286,3 +289,43 @@ def test_02_5_first_case_tells_mistakes_apart(mistake, hint, monkeypatch):
         monkeypatch.setenv("KC_GRADE_SEED", str(seed))
         passed, text = grade("02.5", ridge_point=mistake)
         assert not passed and hint in text, text
+
+
+# ---- the graders' formulas against independent oracles -----------------------------------------------
+
+
+def _flops_bytes_by_counting(M, N, K, itemsize):
+    """FLOPs counted by PyTorch's FlopCounterMode on a matmul of shape-only tensors; bytes as the sizes of
+    the tensors A, B and C themselves."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a, b = torch.empty(M, K, device="meta"), torch.empty(K, N, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        c = a @ b
+    return counter.get_total_flops(), (a.numel() + b.numel() + c.numel()) * itemsize
+
+
+def _ridge_by_bisection(peak_tflops, bandwidth_gbps):
+    """The intensity where the memory roof, intensity × bandwidth, meets the peak, found by bisection."""
+    lo, hi = 0.0, 1e9
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * bandwidth_gbps * 1e9 < peak_tflops * 1e12 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _classify_by_timing(flops, nbytes, peak_tflops, bandwidth_gbps):
+    """Which roof is lower at this intensity: the attainable FLOP/s is min(peak, intensity × bandwidth)."""
+    intensity = Fraction(flops, nbytes)
+    memory_roof = intensity * Fraction(str(bandwidth_gbps)) * 10**9
+    return "memory" if memory_roof < Fraction(str(peak_tflops)) * 10**12 else "compute"
+
+
+@pytest.mark.parametrize("exercise, name, oracle", [
+    ("02.2", "matmul_flops_bytes", _flops_bytes_by_counting),
+    ("02.5", "ridge_point", _ridge_by_bisection),
+    ("02.6", "classify", _classify_by_timing),
+])
+def test_graders_agree_with_an_independent_oracle(exercise, name, oracle):
+    passed, text = grade(exercise, **{name: oracle})
+    assert passed, text

@@ -328,3 +328,23 @@ def test_cases_are_fresh_every_run(exercise, name, correct, monkeypatch):
     passed, text = grade(exercise, **{name: lookup})
     assert not passed, text
     assert "KC_GRADE_SEED=" in text and text.count("✘") == 1, text
+
+
+# ---- the first case tells the usual mistakes apart ----------------------------------------------------
+
+
+@pytest.mark.parametrize("exercise, name, mistake, hint", [
+    ("03.1", "block_unfused_bytes", lambda r, c, s: 7 * r * c * s, "the add reads the bias too"),
+    ("03.1", "block_unfused_bytes", lambda r, c, s: (6 * r * c + c) * s, "the multiply reads two full tensors"),
+    ("03.1", "block_unfused_bytes", lambda r, c, s: 8 * r * c * s, "broadcast over the rows"),
+    ("03.4", "layernorm_bytes", lambda r, c, s: (2 * r * c + 2 * c) * s + 2 * r * s, "the statistics are float32"),
+    ("03.4", "layernorm_bytes", lambda r, c, s: (2 * r * c + 2 * c) * s + r * 4, "two statistics per row"),
+    ("03.3", "io_reduction", lambda k, e: (2 * k + e) / 2, "2 + extra in the denominator"),
+])
+def test_first_case_names_the_right_mistake(exercise, name, mistake, hint, monkeypatch):
+    # on every seed the first case is one where the usual mistakes give different numbers
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    for seed in range(25):
+        monkeypatch.setenv("KC_GRADE_SEED", str(seed))
+        passed, text = grade(exercise, **{name: mistake})
+        assert not passed and hint in text and text.count("✘") == 1 and "✔" not in text, text

@@ -70,7 +70,7 @@ def test_05_1_accepts_correct(fn):
     (ch05._row_major, "row-major order"),
     (ch05._full_groups_only, "the last group can be shorter"),
     (lambda m, n, nm, nn, g: n * min(nm - m // g * g, g) + m % g, "the groups before this one"),
-    (lambda m, n, nm, nn, g: m + n, "you said"),
+    (lambda m, n, nm, nn, g: m + n, "the groups before this one hold first_pid_m * num_pid_n programs"),
     (lambda m, n, nm, nn, g: None, "forget `return`"),
     (lambda m, n, nm, nn, g: (m, n), "is an int"),
 ])

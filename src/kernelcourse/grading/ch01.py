@@ -71,6 +71,13 @@ def grade_add_kernel(report: Report, add_kernel):
                 return
             truth = x.astype(np.float64) + y.astype(np.float64)
             passed, line = compare(out, truth, x + y, what=what)
+            if not passed:
+                mistakes = [(x + x, "out[i] = x[i] + x[i]: add y[i], not x[i] twice"),
+                            (y + y, "out[i] = y[i] + y[i]: add x[i], not y[i] twice"),
+                            (x - y, "that is x - y: out[i] = x[i] + y[i]"), (x * y, "that is x * y: out[i] = x[i] + y[i]"),
+                            (x, "out holds x alone: out[i] = x[i] + y[i]")]
+                hint = next((h for wrong, h in mistakes if np.allclose(out, wrong, rtol=1e-6, atol=0)), None)
+                line += f": {hint}" if hint else ""
             if not report.expect(passed, line, line):
                 return
 
@@ -166,6 +173,8 @@ def grade_axpy(report: Report, axpy_kernel):
                         "grid (cuda.gridsize(1)), so each element belongs to exactly one thread")
             return
         passed, line = compare(y, truth, y0 + a * x, what=what)
+        if not passed and np.allclose(y, a * x, rtol=1e-6, atol=0):
+            line += ": y holds a * x alone: add to it, y[i] += a * x[i] (y's old value is part of the result)"
         if not report.expect(passed, line, line):
             return
 
