@@ -37,6 +37,10 @@ class TimeLimit(Exception):
     pass
 
 
+class Stop(Exception):
+    """Ends the grading of an exercise after its failing line was recorded (raised by ``call``)."""
+
+
 @dataclass
 class Exercise:
     id: str
@@ -202,6 +206,8 @@ def _grade_here(ex: Exercise, objects: dict, report: Report) -> None:
         with time_limit(ex.time_limit_s), np.errstate(all="ignore"), warnings.catch_warnings(), checked():
             warnings.simplefilter("ignore")
             ex.grade(report, **objects)
+    except Stop:  # the line saying why was recorded where the grader stopped
+        pass
     except Exception as exc:  # learner code is allowed to fail in any way; grading goes on
         report.fail(explain(exc))
 
@@ -284,6 +290,23 @@ def guarded(report: Report, what: str, fn, *args, **kwargs):
         return None
 
 
+def call(report: Report, what: str, fn, *args, **kwargs):
+    """Call learner code and return what it returned; if it raises or returns None, record one line
+    for ``what`` and stop grading this exercise (``Stop``, caught by the framework). The one way a
+    grader calls learner code that must return something."""
+    try:
+        got = fn(*args, **kwargs)
+    except (TimeLimit, Stop):
+        raise
+    except Exception as exc:
+        report.fail(f"{what}: {explain(exc)}")
+        raise Stop from exc
+    if got is None:
+        report.fail(f"{what} returned None: did you forget `return`?")
+        raise Stop
+    return got
+
+
 def as_number(report: Report, what: str, got) -> float | None:
     """The learner's return value as a float, or None after recording why it is not a number."""
     if got is None:
@@ -303,11 +326,13 @@ def as_number(report: Report, what: str, got) -> float | None:
     return value
 
 
-def number(report: Report, what: str, fn, *args) -> float | None:
-    """Call learner code that should return a number; None after recording why it did not."""
-    before = report.failures
-    got = guarded(report, what, fn, *args)
-    return None if report.failures > before else as_number(report, what, got)
+def number(report: Report, what: str, fn, *args) -> float:
+    """Call learner code that should return a number (``call``); if it does not, record why and stop
+    grading this exercise."""
+    value = as_number(report, what, call(report, what, fn, *args))
+    if value is None:
+        raise Stop
+    return value
 
 
 # ---- comparing outputs ------------------------------------------------------------------------
@@ -322,6 +347,19 @@ def poisoned(shape, dtype=np.float32) -> np.ndarray:
 def _index(flat_i: int, shape) -> str:
     idx = np.unravel_index(flat_i, shape)
     return str(int(idx[0])) if len(shape) == 1 else str(tuple(int(i) for i in idx))
+
+
+def tolerance_of(truth, reference, rtol_floor: float) -> float:
+    """The graders' one tolerance rule: twice the worst error of ``reference`` (the same computation by
+    PyTorch or NumPy at the output's precision) against the float64 ``truth``, and at least
+    ``rtol_floor`` times the largest value of the truth."""
+    truth = np.asarray(truth, dtype=np.float64)
+    if not truth.size:
+        return 0.0
+    tol = rtol_floor * float(np.max(np.abs(truth)))
+    if reference is not None:
+        tol = max(tol, 2 * float(np.max(np.abs(np.asarray(reference, np.float64) - truth))))
+    return tol
 
 
 def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None = None,
@@ -351,10 +389,7 @@ def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None =
         idx = np.flatnonzero(bad)
         return False, f"{what}: {idx.size} elements are NaN or Inf (first at index {_index(idx[0], got.shape)})"
     eps = float(np.finfo(got.dtype).eps) if np.issubdtype(got.dtype, np.floating) else 0.0
-    scale = float(np.max(np.abs(truth))) if truth.size else 0.0
-    tol = (rtol_floor if rtol_floor is not None else eps) * scale
-    if reference is not None:
-        tol = max(tol, 2 * float(np.max(np.abs(np.asarray(reference, np.float64) - truth))))
+    tol = tolerance_of(truth, reference, rtol_floor if rtol_floor is not None else eps)
     err = np.abs(g - truth)
     worst = int(np.argmax(err)) if err.size else 0
     if err.size and err.flat[worst] > tol:

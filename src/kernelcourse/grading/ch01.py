@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, explain, fresh_rng, guarded, number, poisoned
+from . import POISON, Report, call, compare, exercise, explain, fresh_rng, number, poisoned
 
 GUARD = 64  # poisoned elements past the end of every output, to catch writes beyond n
 
@@ -101,11 +101,7 @@ def grade_grid_size(report: Report, grid_size):
              ((1 << 53) + 2 * blocks(0, 10**6) + 1, 1), ((1 << 54) + b[4] * blocks(0, 10**6) + 1, b[4])]
     for n, block in cases:
         want = -(-n // block)
-        got = guarded(report, f"grid_size({n}, {block})", grid_size, n, block)
-        if got is None:
-            if report.failures == 0:
-                report.fail(f"grid_size({n}, {block}) returned None: did you forget `return`?")
-            return
+        got = call(report, f"grid_size({n}, {block})", grid_size, n, block)
         if not isinstance(got, (int, np.integer)):
             report.fail(f"grid_size({n}, {block}) returned {got!r} of type {type(got).__name__}: "
                         "a launch needs a whole number of blocks (an int)")

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import Report, as_number, exercise, fresh_rng, guarded
+from . import Report, Stop, as_number, call, exercise, fresh_rng
 
 RTOL = 1e-4
 
@@ -23,10 +23,9 @@ def _close(a: float, b: float, rtol: float = RTOL) -> bool:
 
 
 def _call(report: Report, fn, name: str, args: dict):
-    call = f"{name}({', '.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in args.items())})"
-    failures = report.failures
-    got = guarded(report, call, fn, *args.values())  # positional: the learner may rename parameters
-    return call, got, report.failures > failures
+    """(the call as text, what it returned); stops the exercise if it raised or returned None."""
+    asked = f"{name}({', '.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in args.items())})"
+    return asked, call(report, asked, fn, *args.values())  # positional: the learner may rename parameters
 
 
 def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutants, unit: str,
@@ -36,19 +35,17 @@ def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutan
     ``truth(**case)`` is the answer; ``mutants(**case)`` lists ``(wrong value, hint)`` pairs.
     """
     for case in cases:
-        call, got, raised = _call(report, fn, name, case)
-        if raised:
-            return
-        value = as_number(report, call, got)
+        asked, got = _call(report, fn, name, case)
+        value = as_number(report, asked, got)
         if value is None:
-            return
+            raise Stop
         want = truth(**case)
         if _close(value, want):
-            report.ok(f"{call} = {want:.6g} {unit}")
+            report.ok(f"{asked} = {want:.6g} {unit}")
             continue
         hint = next((h for wrong, h in mutants(**case) if _close(value, wrong) and not _close(wrong, want)),
                     fallback)
-        report.fail(f"{call} returned {value:.6g}, expected {want:.6g} {unit}: {hint}")
+        report.fail(f"{asked} returned {value:.6g}, expected {want:.6g} {unit}: {hint}")
         return
 
 
@@ -106,17 +103,12 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
               "K": int(rng.integers(1000, 9000)), "itemsize": 8}]
     for case in cases:
         M, N, K, s = case["M"], case["N"], case["K"], case["itemsize"]
-        call, got, raised = _call(report, matmul_flops_bytes, "matmul_flops_bytes", case)
-        if raised:
-            return
-        if got is None:
-            report.fail(f"{call} returned None: did you forget `return`?")
-            return
+        asked, got = _call(report, matmul_flops_bytes, "matmul_flops_bytes", case)
         if isinstance(got, (str, bytes)) or not hasattr(got, "__len__") or len(got) != 2:
-            report.fail(f"{call} returned {got!r}: return a pair (flops, nbytes)")
+            report.fail(f"{asked} returned {got!r}: return a pair (flops, nbytes)")
             return
-        flops = as_number(report, f"{call}[0] (flops)", got[0])
-        nbytes = as_number(report, f"{call}[1] (nbytes)", got[1])
+        flops = as_number(report, f"{asked}[0] (flops)", got[0])
+        nbytes = as_number(report, f"{asked}[1] (nbytes)", got[1])
         if flops is None or nbytes is None:
             return
         want_flops = 2 * M * N * K
@@ -128,7 +120,7 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
                 hint = "flops and nbytes are swapped: return (flops, nbytes)"
             else:
                 hint = "C has M·N elements, each a dot product of length K (K multiplies and K adds)"
-            report.fail(f"{call}: flops {flops:.6g}, expected {want_flops:.6g}: {hint}")
+            report.fail(f"{asked}: flops {flops:.6g}, expected {want_flops:.6g}: {hint}")
             return
         if not _close(nbytes, want_bytes):
             mutants = [
@@ -143,9 +135,9 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
             ]
             hint = next((h for wrong, h in mutants if _close(nbytes, wrong) and not _close(wrong, want_bytes)),
                         "A is M×K, B is K×N, C is M×N: read A and B once, write C once")
-            report.fail(f"{call}: nbytes {nbytes:.6g}, expected {want_bytes:.6g}: {hint}")
+            report.fail(f"{asked}: nbytes {nbytes:.6g}, expected {want_bytes:.6g}: {hint}")
             return
-        report.ok(f"{call} = ({want_flops:.6g} FLOPs, {want_bytes:.6g} bytes): "
+        report.ok(f"{asked} = ({want_flops:.6g} FLOPs, {want_bytes:.6g} bytes): "
                   f"intensity {want_flops / want_bytes:.4g} FLOP/B")
 
 
@@ -264,16 +256,11 @@ def grade_classify(report: Report, classify):
                       "bandwidth_gbps": bw})
     answers = []
     for case in cases:
-        call, got, raised = _call(report, classify, "classify", case)
-        if raised:
-            return
-        if got is None:
-            report.fail(f"{call} returned None: did you forget `return`?")
-            return
+        asked, got = _call(report, classify, "classify", case)
         if got not in ("memory", "compute"):
-            report.fail(f"{call} returned {got!r}: return the string 'memory' or 'compute'")
+            report.fail(f"{asked} returned {got!r}: return the string 'memory' or 'compute'")
             return
-        answers.append((call, got))
+        answers.append((asked, got))
     wants = []
     for case in cases:
         ridge = case["peak_tflops"] * 1e12 / (case["bandwidth_gbps"] * 1e9)
@@ -282,10 +269,10 @@ def grade_classify(report: Report, classify):
         report.fail(f"{answers[0][0]} returned {answers[0][1]!r}: every answer is swapped: an op left of the "
                     "ridge (intensity below it) is memory-bound, right of it compute-bound")
         return
-    for case, (call, got), (want, ridge) in zip(cases, answers, wants):
+    for case, (asked, got), (want, ridge) in zip(cases, answers, wants):
         i = case["flops"] / case["nbytes"]
         if got == want:
-            report.ok(f"{call} = {want!r} (intensity {i:.4g} FLOP/B, ridge {ridge:.4g} FLOP/B)")
+            report.ok(f"{asked} = {want!r} (intensity {i:.4g} FLOP/B, ridge {ridge:.4g} FLOP/B)")
             continue
         if want == "memory" and i > ridge / 1000 and i < ridge / 100:
             hint = ("the ridge must be in FLOPs per byte: TFLOP/s × 10^12 ÷ (GB/s × 10^9), "
@@ -295,7 +282,7 @@ def grade_classify(report: Report, classify):
                     "FLOP/s and GB/s is 10^9 bytes/s (not 2^40 or 2^30), and the test is intensity < ridge")
         else:
             hint = "compare the intensity (FLOPs / bytes) with the ridge (peak FLOP/s ÷ bandwidth in bytes/s)"
-        report.fail(f"{call} returned {got!r}: intensity {i:.4g} FLOP/B is "
+        report.fail(f"{asked} returned {got!r}: intensity {i:.4g} FLOP/B is "
                     f"{'left' if want == 'memory' else 'right'} of the ridge ({ridge:.4g} FLOP/B), "
                     f"so it is {want}-bound; {hint}")
         return

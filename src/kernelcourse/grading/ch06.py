@@ -15,8 +15,10 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, guarded
-from .ch04 import launch, not_a_kernel  # the Triton launch helpers chapters 04-06 share
+from . import POISON, Report, call, compare, exercise, guarded, tolerance_of
+from .harness import diagnose, framed, launch, not_a_kernel, rand, reproduces, to_numpy, to_numpy
+
+_np = to_numpy
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -25,16 +27,6 @@ HALF_POISON = -32768.0  # the poison of float16 and bfloat16 outputs: exact in b
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-
-def _np(x) -> np.ndarray:
-    """A learner's result as a NumPy array (tensors of any device and dtype, arrays, numbers)."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu()
-        if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
-        return x.numpy()
-    return np.asarray(x)
 
 
 def _check(report: Report, got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool, str]:
@@ -47,41 +39,6 @@ def _check(report: Report, got, truth, reference, what: str, floor: float = 64.0
     if not np.issubdtype(got.dtype, np.floating):
         got = got.astype(np.float64)
     return compare(got, truth, reference, what=what, rtol_floor=floor * float(np.finfo(np.float32).eps))
-
-
-def _matches(got, wrong, truth) -> bool:
-    """Does ``got`` reproduce the mistake ``wrong``: the same NaN and Inf, and closer to ``wrong`` than
-    to the truth by a wide margin (a mistake that barely changes the result on this input is no match)."""
-    g = np.asarray(_np(got), dtype=np.float64)
-    w = np.asarray(wrong, dtype=np.float64)
-    t = np.asarray(truth, dtype=np.float64)
-    if g.shape != w.shape or not np.array_equal(np.isfinite(g), np.isfinite(w)):
-        return False
-    fin = np.isfinite(g)
-    if not fin.any():
-        return True
-    if t.shape != w.shape or not np.array_equal(np.isfinite(w), np.isfinite(t)):
-        return True  # the mistake makes NaN or Inf where the truth has none, and so did got
-    apart = float(np.max(np.abs(w[fin] - t[fin])))
-    scale = max(1e-30, float(np.max(np.abs(t[np.isfinite(t)])))) if np.isfinite(t).any() else 1.0
-    if apart <= 1e-5 * scale:
-        return False
-    return float(np.max(np.abs(g[fin] - w[fin]))) <= 0.25 * apart
-
-
-def _diagnose(got, mistakes, truth) -> str | None:
-    """The hint of the mistake (hint, float64 result) that ``got`` reproduces most closely."""
-    g = np.asarray(_np(got), dtype=np.float64)
-    best, best_distance = None, np.inf
-    for hint, wrong in mistakes:
-        if wrong is None or not _matches(got, wrong, truth):
-            continue
-        w = np.asarray(wrong, dtype=np.float64)
-        fin = np.isfinite(g) & np.isfinite(w)
-        distance = float(np.max(np.abs(g[fin] - w[fin]))) if fin.any() else 0.0
-        if distance < best_distance:
-            best, best_distance = hint, distance
-    return best
 
 
 def _fail(report: Report, line: str, hint: str | None) -> None:
@@ -150,8 +107,7 @@ def tiled64(q, k, v, scale, block_n, bug=None):
 
 
 def _rand(rng, shape, scale=1.0):
-    x = rng.standard_normal(shape) * scale
-    return np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x)
+    return rand(rng, shape, (scale,))
 
 
 # ---- 06.1 combining split-KV partial results -----------------------------------------------------
@@ -229,10 +185,7 @@ def grade_combine(report: Report, combine_splits):
             if empty is not None:
                 what += ", one split empty (lse = -inf)"
             what += f", seed {seed}"
-            before = report.failures
-            got = guarded(report, what, combine_splits, o32.clone(), l32.clone())
-            if report.failures > before:
-                return
+            got = call(report, what, combine_splits, o32.clone(), l32.clone())
             got = _pair(report, f"combine_splits ({what})", got)
             if got is None:
                 return
@@ -243,10 +196,10 @@ def grade_combine(report: Report, combine_splits):
             mistakes, _ = _combine_mistakes(exact_f32(outs), exact_f32(lses))
             ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}")
             if not ok:
-                return _fail(report, line, _diagnose(got[1], [(h, l) for h, _, l in mistakes], truth_lse))
+                return _fail(report, line, diagnose(got[1], [(h, l) for h, _, l in mistakes], truth=truth_lse))
             ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}")
             if not ok:
-                hint = _diagnose(got[0], [(h, o) for h, o, _ in mistakes], truth_o)
+                hint = diagnose(got[0], [(h, o) for h, o, _ in mistakes], truth=truth_o)
                 if hint is None and "NaN or Inf" in line:
                     hint = ("an empty split (lse = -inf) must get weight exp(-inf - m) = 0; if every exponent is "
                             "huge, subtract the largest lse first")
@@ -336,10 +289,7 @@ def grade_online_stats(report: Report, online_softmax_stats):
             blocks = [np.asarray(b, dtype=np.float32) for b in blocks]
             what = f"{what}, seed {seed}"
             stream = _Stream([torch.from_numpy(b.copy()) for b in blocks])
-            before = report.failures
-            got = guarded(report, what, _largest_made, online_softmax_stats, stream)
-            if report.failures > before:
-                return
+            got = call(report, what, _largest_made, online_softmax_stats, stream)
             got, numel, shape = got
             longest, row = max(b.size for b in blocks), sum(b.size for b in blocks)
             if numel > longest and numel >= row:
@@ -364,7 +314,7 @@ def grade_online_stats(report: Report, online_softmax_stats):
             if not math.isclose(m_got, m_true, rel_tol=0, abs_tol=1e-4 * max(1.0, abs(m_true))):
                 return _fail(report, f"{what}: m = {m_got:.6g}, expected the row's max {m_true:.6g}",
                              hint or "m is the largest value seen: m = max(m, block.max()) after each block")
-            tol = max(2 * abs(l_ref - l_true), 64 * 1.2e-7 * l_true)
+            tol = tolerance_of(l_true, l_ref, 64 * float(np.finfo(np.float32).eps))
             if not (math.isfinite(l_got) and abs(l_got - l_true) <= tol):
                 return _fail(report, f"{what}: l = {l_got:.6g}, expected {l_true:.6g}",
                              hint or "l = Σ exp(x - m) over the whole row, with the running sum rescaled "
@@ -464,10 +414,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                     f"{', large logits' if ls > 10 else ''}{', every score near -1000' if ls < 0 else ''}, "
                     f"seed {seed}")
             tq, tk, tv = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v))
-            before = report.failures
-            got = guarded(report, what, _largest_made, tiled_attention, tq, tk, tv, bn, causal)
-            if report.failures > before:
-                return
+            got = call(report, what, _largest_made, tiled_attention, tq, tk, tv, bn, causal)
             got, numel, shape = got
             got = _pair(report, f"tiled_attention ({what})", got)
             if got is None:
@@ -503,11 +450,11 @@ def grade_tiled_attention(report: Report, tiled_attention):
                 mistakes = [(h, tiled64(q, k, v, scale, bn, bug)) for h, bug in bugs]
             ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
             if not ok:
-                hint = _diagnose(got[0], [(h, o) for h, (o, _) in mistakes], truth_o)
+                hint = diagnose(got[0], [(h, o) for h, (o, _) in mistakes], truth=truth_o)
                 if hint is None and "NaN or Inf" in line:
                     hint = ("exp overflows float32 above 88: subtract the running max, p = exp(s - m_new[:, None]), "
                             "and start m at -inf, not 0")
-                elif hint is None and _matches(got[0], attention64(q, k, v, 1.0)[0], truth_o):
+                elif hint is None and reproduces(got[0], attention64(q, k, v, 1.0)[0], truth_o) is not None:
                     hint = "scale the scores by 1/sqrt(d) before the softmax"
                 return _fail(report, line, hint)
             ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}", floor=256)
@@ -519,7 +466,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                                 ("lse = m + log(l): add the final running max back", truth_lse - m),
                                 ("lse = m + log(l), not m + l", m + np.exp(truth_lse - m)),
                                 ("lse = m + log(l), not the max alone", m)]
-                return _fail(report, line, _diagnose(got[1], lse_mistakes, truth_lse))
+                return _fail(report, line, diagnose(got[1], lse_mistakes, truth=truth_lse))
             allowed = max(n_q * bn, n_q * d, n_k * d, n_k)
             if n_q * n_k > allowed and numel >= n_q * n_k:
                 return report.fail(f"{what}: a tensor of shape {shape} was made: that is the whole score matrix "
@@ -528,23 +475,6 @@ def grade_tiled_attention(report: Report, tiled_attention):
 
 
 # ---- 06.4 the Triton inner loop ------------------------------------------------------------------
-
-
-def _framed_heads(data: np.ndarray, pad_rows: int, fill: float, dtype):
-    """(heads, rows, d) data on the device inside (heads, rows + pad_rows, d) filled with ``fill``."""
-    import torch
-
-    h, r, d = data.shape
-    full = torch.full((h, r + pad_rows, d), fill, dtype=dtype, device=world().device)
-    view = full[:, :r]
-    view.copy_(torch.from_numpy(data).to(dtype))
-    return full, view
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
 @exercise("06.4", "the FlashAttention inner loop in Triton", names=("attention_fwd_kernel",), time_limit_s=180)
@@ -572,12 +502,11 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         q = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[0] for _ in range(heads)])
         k = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[1] for _ in range(heads)])
         v = np.stack([_rand(rng, (n_k, d)) for _ in range(heads)])
-        dt = _torch_dtype(dtype)
         poison = POISON if dtype == "fp32" else HALF_POISON
-        q_full, tq = _framed_heads(q, bm, NAN, dt)
-        k_full, tk = _framed_heads(k, bn, NAN, dt)
-        v_full, tv = _framed_heads(v, bn, NAN, dt)
-        o_full, to = _framed_heads(np.zeros((heads, n_q, d)), bm, poison, dt)
+        q_full, tq = framed(q, dtype, NAN, pad_rows=bm)
+        k_full, tk = framed(k, dtype, NAN, pad_rows=bn)
+        v_full, tv = framed(v, dtype, NAN, pad_rows=bn)
+        o_full, to = framed(np.zeros((heads, n_q, d)), dtype, poison, pad_rows=bm)
         to.fill_(poison)
         scale = 1.0 / math.sqrt(d)
         grid = (-(-n_q // bm), heads)
@@ -624,7 +553,7 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
             ("start m_i at -inf, not 0: when every score of a row is far below 0, exp2(s - 0) underflows to 0 "
              "and acc / l_i is 0 / 0", per_head("max_from_zero") if ls < 0 else None),
         ]
-        hint = _diagnose(got, mistakes, truth)
+        hint = diagnose(got, mistakes, truth=truth)
         if hint is None and bad.any() and tail:
             hint = ("load k and v with mask=keys[:, None] < N_K and other=0.0: past N_K lies memory that is not this "
                     "head's (here NaN), and even with its score at -inf, p = 0 times a NaN value is NaN in p @ v")
@@ -697,22 +626,19 @@ def grade_causal(report: Report, causal_tile, key_range):
     ]
     cases = _tile_cases(rng)
     for q0, k0, bm, bn in cases:
-        call = f"causal_tile({q0}, {k0}, {bm}, {bn})"
-        before = report.failures
-        got = guarded(report, call, causal_tile, q0, k0, bm, bn)
-        if report.failures > before:
-            return
+        asked = f"causal_tile({q0}, {k0}, {bm}, {bn})"
+        got = call(report, asked, causal_tile, q0, k0, bm, bn)
         want = causal_tile_truth(q0, k0, bm, bn)
         if got == want:
             continue
         if got not in KINDS:
-            return report.fail(f"{call} returned {got!r}: return one of 'full', 'masked', 'skipped'")
+            return report.fail(f"{asked} returned {got!r}: return one of 'full', 'masked', 'skipped'")
         hint = None
         for fn, h in wrong_hints:
             if all(str(guarded(report, "", causal_tile, *c)) == fn(*c) for c in cases[:40]):
                 hint = h
                 break
-        return _fail(report, f"{call} returned {got!r}, expected {want!r} (queries {q0}..{q0 + bm - 1}, keys "
+        return _fail(report, f"{asked} returned {got!r}, expected {want!r} (queries {q0}..{q0 + bm - 1}, keys "
                              f"{k0}..{k0 + bn - 1})", hint or "query i sees key j when j <= i: compare the tile's "
                                                                 "first and last key with its first and last query")
     report.ok(f"causal_tile: all {len(cases)} tiles classified (full, masked, skipped)")
@@ -733,18 +659,15 @@ def grade_causal(report: Report, causal_tile, key_range):
     ]
     cases = _range_cases()
     for start_m, bm, bn, n_k in cases:
-        call = f"key_range({start_m}, {bm}, {bn}, {n_k})"
-        before = report.failures
-        got = guarded(report, call, key_range, start_m, bm, bn, n_k)
-        if report.failures > before:
-            return
-        got = _pair(report, call, got)
+        asked = f"key_range({start_m}, {bm}, {bn}, {n_k})"
+        got = call(report, asked, key_range, start_m, bm, bn, n_k)
+        got = _pair(report, asked, got)
         if got is None:
             return
         try:
             n_full, n_end = int(got[0]), int(got[1])
         except (TypeError, ValueError):
-            return report.fail(f"{call} returned {got!r}: return two ints (n_full, n_end)")
+            return report.fail(f"{asked} returned {got!r}: return two ints (n_full, n_end)")
         want = key_range_truth(start_m, bm, bn, n_k)
         # what a kernel does with them: unmasked tiles from 0 to n_full, masked tiles from n_full to n_end
         if (_tiles(0, n_full, bn), _tiles(n_full, n_end, bn)) == (_tiles(0, want[0], bn), _tiles(want[0], want[1], bn)):
@@ -758,7 +681,7 @@ def grade_causal(report: Report, causal_tile, key_range):
         if hint is None and n_full % bn:
             hint = "n_full is where the masked tiles start: a multiple of block_n"
         q0 = start_m * bm
-        return _fail(report, f"{call} returned ({n_full}, {n_end}), expected {want} (queries {q0}..{q0 + bm - 1})",
+        return _fail(report, f"{asked} returned ({n_full}, {n_end}), expected {want} (queries {q0}..{q0 + bm - 1})",
                      hint or "n_full: the end of the whole tiles whose last key is <= q0; "
                              "n_end: min(q0 + block_m, n_k)")
     report.ok(f"key_range: all {len(cases)} query tiles get the right unmasked, masked and skipped tiles")
@@ -792,11 +715,8 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         s, m2, l2 = _state_rows(rng)
         truth = m2 * LN2 + np.log(l2)   # exactly what the float32 state encodes, in float64
         what = f"{len(m2)} rows (scores from -1000 to 1000), seed {seed}"
-        before = report.failures
-        got = guarded(report, f"lse_from_state, {what}", lse_from_state,
+        got = call(report, f"lse_from_state, {what}", lse_from_state,
                       torch.tensor(m2, dtype=torch.float32), torch.tensor(l2, dtype=torch.float32))
-        if report.failures > before:
-            return
         if got is None:
             return report.fail("lse_from_state returned None: did you forget `return`?")
         tm, tl_ = torch.tensor(m2, dtype=torch.float32), torch.tensor(l2, dtype=torch.float32)
@@ -812,7 +732,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                         ("divide by log2(e), or multiply by ln 2: lse = (m2 + log2 l2) · ln 2, not · log2(e)",
                          (m2 + np.log2(l2)) * LOG2E),
                         ("take the log of l2: lse = (m2 + log2(l2)) · ln 2", (m2 + l2) * LN2)]
-            return _fail(report, line, _diagnose(got, mistakes, truth))
+            return _fail(report, line, diagnose(got, mistakes, truth=truth))
         report.ok(line)
 
     # probs_from_lse: recompute one tile of P from q, k and the saved lse, as the backward pass does
@@ -828,10 +748,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         truth = np.exp(s - lse32[:, None])
         tq, tk = torch.tensor(q, dtype=torch.float32), torch.tensor(k, dtype=torch.float32)
         what = f"probs_from_lse, N_Q={n_q}, N_K={n_k}, d={d}" + (", large logits" if ls > 10 else "")
-        before = report.failures
-        got = guarded(report, what, probs_from_lse, tq, tk, torch.tensor(lse32, dtype=torch.float32), scale)
-        if report.failures > before:
-            return
+        got = call(report, what, probs_from_lse, tq, tk, torch.tensor(lse32, dtype=torch.float32), scale)
         if got is None:
             return report.fail(f"{what}: returned None: did you forget `return`?")
         ref = _np(torch.exp(tq @ tk.T * scale - torch.tensor(lse32, dtype=torch.float32)[:, None])).astype(np.float64)
@@ -847,5 +764,5 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                              axis=1, keepdims=True)),
                         ("P = exp(s - lse): no further normalisation, no max (lse already holds both)",
                          np.exp(s - s.max(axis=1, keepdims=True)))]
-            return _fail(report, line, _diagnose(got, mistakes, truth))
+            return _fail(report, line, diagnose(got, mistakes, truth=truth))
         report.ok(line)
