@@ -475,3 +475,62 @@ def test_04_4_rejects_wrong(kernel, hint):
     passed, text = grade("04.4", rms_norm_kernel=kernel)
     assert not passed
     assert hint in text, text
+
+
+# ---- one harness ---------------------------------------------------------------------------------------
+
+
+def test_one_harness_shared_by_chapters_04_to_06():
+    from kernelcourse.grading import ch04, ch05, ch06, harness
+
+    # chapters 05 and later import the harness from ch04 too: the names stay, and are the harness's own
+    for name in ("not_a_kernel", "torch_dtype", "framed", "launch", "diagnose", "compare_rows", "rand", "sizes",
+                 "tolerance", "exact", "host", "data_mask", "outside_writes", "nothing_written", "STUB", "NAN"):
+        assert getattr(ch04, name) is getattr(harness, name), name
+    assert ch05.diagnose is harness.diagnose and ch06.diagnose is harness.diagnose
+    assert not any(hasattr(ch06, n) for n in ("_framed_heads", "_torch_dtype", "_matches", "_diagnose"))
+
+
+def test_the_tolerance_rule_is_compares():
+    import numpy as np
+
+    from kernelcourse.grading import compare, harness
+
+    truth = np.linspace(-3, 5, 50)
+    reference = truth + np.where(np.arange(50) == 7, 1e-4, 0.0)
+    tol = harness.tolerance(truth, reference, np.float32)
+    assert tol == pytest.approx(2e-4)
+    assert compare((truth + 0.9 * tol).astype(np.float32), truth, reference, what="x",
+                   rtol_floor=harness.rounding_floor(np.float32))[0]
+    assert not compare((truth + 1.5 * tol).astype(np.float32), truth, reference, what="x",
+                       rtol_floor=harness.rounding_floor(np.float32))[0]
+
+
+def test_diagnose_names_the_nearest_mistake_and_nothing_for_a_mistake_that_changes_nothing():
+    import numpy as np
+
+    from kernelcourse.grading.harness import diagnose
+
+    truth = np.arange(1.0, 6.0)
+    mistakes = [("doubled", 2 * truth), ("shifted", truth + 1), ("same", truth + 1e-9)]
+    assert diagnose(2 * truth + 1e-3, mistakes, truth=truth) == "doubled"
+    assert diagnose(truth + 1.01, mistakes, truth=truth) == "shifted"
+    assert diagnose(truth + 0.5, mistakes, truth=truth) is None
+    assert diagnose(np.full(5, np.nan), [("nan", np.full(5, np.nan))], truth=truth) == "nan"
+
+
+def test_call_stops_an_exercise_on_an_exception_or_none():
+    from kernelcourse.grading import Report, Stop, call
+
+    lines = []
+    report = Report(exercise=None, sink=lines.append)
+    assert call(report, "f()", lambda: 3) == 3
+    with pytest.raises(Stop):
+        call(report, "f()", lambda: 1 / 0)
+    with pytest.raises(Stop):
+        call(report, "g()", lambda: None)
+    assert len(lines) == 2 and lines[0].startswith("✘ f(): ZeroDivisionError: division by zero (line ")
+    assert lines[1] == "✘ g() returned None: did you forget `return`?"
+    # in a grader, the stop ends that exercise with its one line
+    passed, text = grade("04.1", scale_gelu_kernel=gelu_plain_python)
+    assert not passed and text.count("✘") == 1
