@@ -5,12 +5,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 NB ?=
+# What .venv installs: requirements.txt, unless test-latest asks for the newest releases instead.
+PIP_INSTALL ?= -r requirements.txt
+# The libraries whose releases change the course's results; test-latest takes the newest of each.
+NEWEST := torch triton numpy numba numba-cuda
+LATEST_VENV := .venv-latest
+# gpu-check uses the interpreter it is given (make gpu-check PYTHON=python3), else .venv's when there is
+# one, else python3. It never builds .venv: a GPU machine's own Python, offline, is enough.
+GPU_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(or $(wildcard $(BIN)/python),$(PYTHON)))
 
-.PHONY: help install book test lab grade exercises stamp clean
+.PHONY: help install book test test-latest gpu-check lab grade exercises stamp clean
 
 help:
 	@echo "make book       build the website into _build/html"
 	@echo "make test       everything CI checks"
+	@echo "make test-latest   make test on the newest releases of $(NEWEST), in $(LATEST_VENV)"
+	@echo "make gpu-check  on a CUDA GPU: unit tests, every notebook, every grade; one summary table"
 	@echo "make lab        JupyterLab on the course"
 	@echo "make grade NB=exercises/01_vector_add.ipynb   grade your notebook(s)"
 	@echo "make exercises  regenerate exercises/ from solutions/ (maintainers)"
@@ -20,8 +30,8 @@ help:
 $(INSTALLED): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "the course needs Python 3.11 or newer"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "Installing requirements.txt into $(VENV) (a few minutes the first time)..."
-	@$(BIN)/python -m pip install -q -r requirements.txt 2> $(VENV)/pip.log || { cat $(VENV)/pip.log; exit 1; }
+	@echo "Installing the course's requirements into $(VENV) (a few minutes the first time)..."
+	@$(BIN)/python -m pip install -q $(PIP_INSTALL) 2> $(VENV)/pip.log || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@
 
 install: $(INSTALLED)
@@ -41,6 +51,18 @@ test: $(INSTALLED)
 	$(BIN)/python tools/landing_figure.py
 	$(BIN)/jupyter-book build . -W -n --keep-going -q
 	$(BIN)/python tools/check_site.py
+
+# The second CI job: the same checks on the newest release of each library in NEWEST (requirements.txt's
+# other lines as they are), in a virtual environment of its own. CI passes the CPU index of PyTorch.
+test-latest:
+	rm -f $(LATEST_VENV)/.installed  # upgrade to whatever is newest today
+	$(MAKE) install VENV=$(LATEST_VENV) PIP_INSTALL='--upgrade --upgrade-strategy eager $(NEWEST) -r <(grep -vE "^(torch|triton|numpy)\b" requirements.txt)'
+	@$(LATEST_VENV)/bin/python -c 'from kernelcourse.world import versions; print("newest releases:", versions())'
+	$(MAKE) test VENV=$(LATEST_VENV)
+
+# CHAPTERS="01 02" checks those chapters only (their notebooks and tests, and the tests of no chapter).
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS))
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab

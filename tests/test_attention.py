@@ -1,5 +1,7 @@
 """kernelcourse.attention (chapter 06): the references agree with each other and with PyTorch's SDPA,
-and the Triton kernel agrees with them (in Triton's interpreter on the CPU, at small sizes)."""
+and the Triton kernel, in each of its versions, agrees with them (in Triton's interpreter on the CPU,
+at small sizes; on a GPU with the autotuner). v2, the pointer-based version that GPUs without TMA run,
+is tested on every GPU by forcing it with ``version=2``."""
 import math
 
 import pytest
@@ -124,11 +126,12 @@ def test_flops():
     (1, 1, 1, 1, 16, True, None),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_matches_reference(B, H, n_q, n_k, d, causal, config, dtype):
+@pytest.mark.parametrize("version", [None, 2])   # the default (v4 on Hopper and in the interpreter) and v2
+def test_kernel_matches_reference(B, H, n_q, n_k, d, causal, config, dtype, version):
     if kc.world().gpu and dtype == torch.float32:
         pytest.skip("tl.dot on float32 is TF32 on a GPU: the kernel is checked in half precision there")
     q, k, v = qkv(B, H, n_q, n_k, d, dtype=dtype, logit_scale=30.0, seed=n_q + n_k, device=kc.world().device)
-    o, lse = A.flash_attention(q, k, v, causal=causal, config=config)
+    o, lse = A.flash_attention(q, k, v, causal=causal, config=config, version=version)
     o64, lse64 = truth(q, k, v, causal)
     naive = A.attention_ref(q, k, v, causal=causal, compute_dtype=dtype)  # PyTorch at the inputs' precision
     tol = 2 * (naive.double() - o64).abs().max().item() + 8 * torch.finfo(dtype).eps * o64.abs().max().item()
@@ -137,12 +140,13 @@ def test_kernel_matches_reference(B, H, n_q, n_k, d, causal, config, dtype):
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-5, atol=1e-4)
 
 
-def test_kernel_strided_inputs_and_scale():
+@pytest.mark.parametrize("version", [None, 2])
+def test_kernel_strided_inputs_and_scale(version):
     # (B, N, H, d) memory seen as (B, H, N, d), as a projection followed by a transpose gives it
     g = torch.Generator().manual_seed(1)
     dtype = torch.float16 if kc.world().gpu else torch.float32
     q, k, v = (torch.randn(2, 40, 3, 32, generator=g).to(kc.world().device, dtype).transpose(1, 2) for _ in range(3))
-    o, lse = A.flash_attention(q, k, v, causal=True, sm_scale=0.3)
+    o, lse = A.flash_attention(q, k, v, causal=True, sm_scale=0.3, version=version)
     o64, lse64 = truth(q, k, v, causal=True, sm_scale=0.3)
     tol = 2e-3 if kc.world().gpu else 1e-4
     torch.testing.assert_close(o.double(), o64, rtol=tol, atol=tol)
@@ -158,3 +162,69 @@ def test_kernel_with_large_logits():
     assert torch.isfinite(o).all()
     torch.testing.assert_close(o.double(), o64, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("version", sorted(A.VERSIONS))
+@pytest.mark.parametrize("n_q, n_k, causal", [(45, 45, True), (20, 77, True), (77, 20, True), (50, 70, False)])
+def test_every_version_matches_reference(version, n_q, n_k, causal):
+    dtype = torch.float16
+    q, k, v = qkv(1, 2, n_q, n_k, 32, dtype=dtype, logit_scale=30.0, seed=version + n_q, device=kc.world().device)
+    o, lse = A.flash_attention(q, k, v, causal=causal, version=version)
+    o64, lse64 = truth(q, k, v, causal)
+    naive = A.attention_ref(q, k, v, causal=causal, compute_dtype=dtype)
+    tol = 2 * (naive.double() - o64).abs().max().item() + 8 * torch.finfo(dtype).eps * o64.abs().max().item()
+    assert (o.double() - o64).abs().max().item() <= tol, f"version {version}"
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-5, atol=1e-3)
+
+
+def test_final_kernel_is_version_4():
+    assert A.flash_attention_kernel is A.flash_attention_v4_kernel and A.FINAL == 4
+
+
+# ---- the causal key range, the dispatch and the tile sizes -----------------------------------------
+
+
+@pytest.mark.parametrize("bm, bn", [(32, 32), (64, 32), (32, 64), (128, 64), (16, 128)])
+def test_causal_key_range_classifies_every_tile(bm, bn):
+    """Against brute force: keys below n_full are seen by every query of the tile, keys from n_end on by
+    none, and every tile between has a key that some query does not see (or that lies past n_k)."""
+    for n_k in (1, 63, 64, 200, 257):
+        for q0 in range(0, 300, bm):
+            n_full, n_end = A.causal_key_range.fn(q0, n_k, bm, bn)
+            queries = range(q0, q0 + bm)
+            assert n_full % bn == 0 and 0 <= n_full <= n_end <= n_k
+            assert all(j <= q0 for j in range(n_full))                   # the first query sees them: all do
+            assert n_end == min(n_k, q0 + bm)                            # the last query sees keys < q0 + bm
+            # n_full is as large as it can be: the next whole tile would need a mask
+            assert n_full + bn > n_k or n_full + bn - 1 > q0
+
+
+def test_default_version_and_bf16_error():
+    assert A.default_version(None) == 4                    # the interpreter
+    assert A.default_version((9, 0)) == 4 and A.default_version((10, 0)) == 4
+    for old in ((7, 5), (8, 0), (8, 6), (8, 9)):           # T4, A100, A10, L4: no TMA
+        assert A.default_version(old) == 2
+    A.check_dtype(torch.bfloat16, (8, 0))
+    A.check_dtype(torch.float16, (7, 5))
+    with pytest.raises(ValueError, match="use float16"):
+        A.check_dtype(torch.bfloat16, (7, 5))
+
+
+T4 = {"max_shared_mem": 65536, "multiprocessor_count": 40}  # what Triton reports for a T4: 64 KB per block
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("configs", [A.FWD_CONFIGS, A._POINTER_CONFIGS], ids=["descriptors", "pointers"])
+def test_pruned_candidates_fit_a_t4(monkeypatch, d, configs):
+    monkeypatch.setattr(A, "_device_properties", lambda: T4)
+    for n_q in (40, 1000, 8192):
+        kept = A._prune(configs, {"N_Q": n_q, "HEAD_DIM": d})
+        assert kept, f"no candidate for d = {d}"
+        for c in kept:
+            assert A._smem_bytes(c, d) <= T4["max_shared_mem"], f"{A._key(c)} does not fit a T4 at d = {d}"
+
+
+def test_pruning_on_a_large_gpu_keeps_the_chosen_tiles(monkeypatch):
+    monkeypatch.setattr(A, "_device_properties", lambda: {"max_shared_mem": 232448})   # an H100
+    kept = {A._key(c) for c in A._prune(A.FWD_CONFIGS, {"N_Q": 4096, "HEAD_DIM": 128})}
+    assert kept == A._TRIED[128]

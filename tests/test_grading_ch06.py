@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+import kernelcourse as kc
 from tests.helpers import grade
 
 
@@ -507,3 +508,113 @@ def test_06_6_rejects_wrong(lse_fn, probs_fn, hint):
     passed, text = grade("06.6", lse_from_state=lse_fn, probs_from_lse=probs_fn)
     assert not passed
     assert hint in text, text
+
+
+# ---- 06.7 / 06.8 the causal part of the kernel, and its speed ---------------------------------------
+# One kernel with switches for the typical mistakes. NAIVE is the slow but correct version that 06.8's
+# speed check is set against: every key tile computed and masked, as the chapter's version 1 does.
+
+from kernelcourse.attention import causal_key_range  # noqa: E402
+
+
+@triton.jit
+def _fold(acc, l_i, m_i, s, v):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _causal(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, N_Q, N_K,
+            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NAIVE: tl.constexpr,
+            CAUSAL_MASK: tl.constexpr, STRICT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, MASKED_LOOP: tl.constexpr):
+    start_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    q0 = start_m * BLOCK_M
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + off_h * stride_qh + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=offs_m[:, None] < N_Q, other=0.0)
+    k_head = k_ptr + off_h * stride_kh
+    v_head = v_ptr + off_h * stride_kh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if NAIVE:
+        n_full, n_end = 0, N_K
+    else:
+        n_full, n_end = causal_key_range(q0, N_K, BLOCK_M, BLOCK_N)
+    for start_n in range(0, n_full, BLOCK_N):
+        keys = start_n + offs_n
+        k = tl.load(k_head + keys[:, None] * HEAD_DIM + offs_d[None, :])
+        v = tl.load(v_head + keys[:, None] * HEAD_DIM + offs_d[None, :])
+        acc, l_i, m_i = _fold(acc, l_i, m_i, tl.dot(q, tl.trans(k)) * qk_scale, v)
+    if MASKED_LOOP:
+        for start_n in range(n_full, n_end, BLOCK_N):
+            keys = start_n + offs_n
+            inside = keys < N_K
+            k = tl.load(k_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)
+            keep = inside[None, :] & (offs_m[:, None] >= 0)
+            if CAUSAL_MASK:
+                if STRICT:
+                    keep = keep & (keys[None, :] < offs_m[:, None])
+                elif BOTTOM_RIGHT:
+                    keep = keep & (keys[None, :] <= offs_m[:, None] + N_K - N_Q)
+                else:
+                    keep = keep & (keys[None, :] <= offs_m[:, None])
+            s = tl.where(keep, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+            acc, l_i, m_i = _fold(acc, l_i, m_i, s, v)
+    tl.store(o_ptr + off_h * stride_qh + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < N_Q)
+
+
+class CausalVariant(Variant):
+    def __init__(self, **switches):
+        self.switches = dict(NAIVE=False, CAUSAL_MASK=True, STRICT=False, BOTTOM_RIGHT=False, MASKED_LOOP=True)
+        self.switches.update(switches)
+        self.fn = _causal.fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: _causal[grid](*args, **meta, **self.switches)
+
+
+@pytest.mark.parametrize("kernel", [CausalVariant(), CausalVariant(NAIVE=True)])
+def test_06_7_accepts_correct(kernel):
+    passed, text = grade("06.7", causal_attention_kernel=kernel)   # NAIVE is correct, only slow
+    assert passed, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (CausalVariant(CAUSAL_MASK=False), "need the causal mask too"),
+    (CausalVariant(STRICT=True), "not j < i"),
+    (CausalVariant(BOTTOM_RIGHT=True), "bottom-right"),
+    (CausalVariant(MASKED_LOOP=False), "the tiles that cross the diagonal were not computed"),
+    (inner_plain_python, "@triton.jit"),
+])
+def test_06_7_rejects_wrong(kernel, hint):
+    passed, text = grade("06.7", causal_attention_kernel=kernel)
+    assert not passed
+    assert hint in text, text
+
+
+def test_06_8_speed_is_graded_only_on_a_gpu():
+    passed, text = grade("06.8", causal_attention_kernel=CausalVariant())
+    assert passed, text
+    if kc.world().gpu:
+        assert "needs 1.3x" in text and "not graded" not in text, text
+    else:
+        assert "not graded" in text and "speed needs a GPU" in text, text
+
+
+@pytest.mark.skipif(not kc.world().gpu, reason="speed is graded on a GPU only")
+def test_06_8_rejects_the_naive_kernel_on_a_gpu():
+    passed, text = grade("06.8", causal_attention_kernel=CausalVariant(NAIVE=True))
+    assert not passed and "computes every tile" in text, text
+
+
+def test_06_8_rejects_a_wrong_kernel_before_timing():
+    passed, text = grade("06.8", causal_attention_kernel=CausalVariant(STRICT=True))
+    assert not passed and "not j < i" in text, text

@@ -1,11 +1,14 @@
 """The helper package: worlds, recorded results, comparisons, timing limits."""
 import json
+import sys
 
 import numpy as np
 import pytest
 
 import kernelcourse as kc
 from kernelcourse import bench, grading
+
+WORLD = sys.modules["kernelcourse.world"]  # the module: kc.world is the function that returns the world
 
 
 def test_import_does_not_load_triton_or_numba():
@@ -34,7 +37,75 @@ def test_setup_refuses_an_unknown_world():
 
 def test_banner_names_world_and_versions():
     text = kc.world.__module__ and kc.setup.__globals__["banner"](kc.world())
-    assert "torch" in text and "triton" in text and ("GPU" in text or "CPU" in text)
+    assert "numpy" in text and "torch" in text and "triton" in text and ("GPU" in text or "CPU" in text)
+
+
+def test_versions_record_everything_that_changes_a_result():
+    import numpy
+    import torch
+
+    v = WORLD.versions()
+    assert tuple(v) == WORLD.VERSION_KEYS
+    assert v["numpy"] == numpy.__version__ and v["torch"] == torch.__version__
+    assert all(isinstance(x, str) and x for x in v.values()), v
+
+
+def test_release_numbers_compare_as_numbers():
+    assert WORLD._release("0.30.4") == (0, 30, 4) < WORLD._release("0.31.0")
+    assert WORLD._release("2.10.1+cu130") > WORLD._release("2.9.0") and WORLD._release("2.6.0rc1") == (2, 6, 0)
+
+
+# numpy 2.5 removed np.row_stack. These compile a kernel for a GPU (typing and lowering to LLVM IR, which
+# needs no GPU) in a fresh process, out of numba's simulator, with np.row_stack gone as on numpy 2.5.
+_COMPILE_WITHOUT_ROW_STACK = """
+import sys
+import numpy as np
+if hasattr(np, "row_stack"):
+    del np.row_stack
+from kernelcourse.world import numba_cuda_needs_row_stack, _import_numba_cuda_with_row_stack
+needed = numba_cuda_needs_row_stack()
+if needed and sys.argv[1] == "shim":
+    _import_numba_cuda_with_row_stack()
+from numba import cuda, float32, void
+from numba.cuda.compiler import compile_cuda  # numba-cuda's own entry point for one kernel: no GPU needed
+
+def add(x, y, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = x[i] + y[i]
+
+ir = compile_cuda(add, void, (float32[:], float32[:], float32[:]), cc=(9, 0)).library.get_llvm_str()
+print(needed, "fadd float" in ir, hasattr(np, "row_stack"))
+"""
+
+
+def _compile_without_row_stack(mode: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
+    return subprocess.run([sys.executable, "-c", _COMPILE_WITHOUT_ROW_STACK, mode], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_numba_cuda_compiles_kernels_on_a_numpy_without_row_stack():
+    proc = _compile_without_row_stack("shim")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    needed, compiled, row_stack_left = proc.stdout.split()
+    assert compiled == "True" and row_stack_left == "False", proc.stdout  # numpy is left as it was
+
+
+def test_the_row_stack_shim_is_applied_exactly_when_numba_cuda_needs_it():
+    """Catches a numba-cuda release that fixed np.row_stack (drop the shim) or one that still breaks
+    (raise NUMBA_CUDA_ROW_STACK_LAST_BROKEN)."""
+    proc = _compile_without_row_stack("no shim")
+    broken = proc.returncode != 0 and "row_stack" in proc.stderr
+    assert proc.returncode == 0 or broken, proc.stderr[-2000:]
+    version = WORLD._version("numba-cuda")
+    assert broken == (WORLD._release(version) <= WORLD.NUMBA_CUDA_ROW_STACK_LAST_BROKEN), (
+        f"numba-cuda {version} {'still' if broken else 'no longer'} needs np.row_stack: "
+        f"{'raise' if broken else 'lower'} NUMBA_CUDA_ROW_STACK_LAST_BROKEN in kernelcourse/world.py")
 
 
 def test_recorded_results_round_trip(tmp_path, monkeypatch):
@@ -97,6 +168,8 @@ def test_unknown_learner_exception_is_one_line():
     assert line.startswith("KeyError") and "\n" not in line
 
 
+@pytest.mark.skipif(not grading._can_isolate(),
+                    reason="graders run in this process on a GPU (CUDA does not survive fork): a crash would end it")
 def test_a_crash_in_learner_code_fails_only_that_exercise():
     import ctypes
 
@@ -135,3 +208,22 @@ def test_recorded_results_come_from_a_stamped_gpu_run_of_a_lesson():
 def test_an_illegal_gpu_access_is_explained():
     line = grading.explain(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert "illegal memory access" in line and "restart the kernel" in line
+
+
+def test_setup_warns_only_about_combinations_that_cannot_work(monkeypatch):
+    cpu, gpu = kc.World(False, "cpu", "CPU", None), kc.World(True, "cuda", "GPU", (9, 0))
+
+    def given(numpy_version, triton_version):
+        monkeypatch.setattr(np, "__version__", numpy_version)
+        monkeypatch.setattr(WORLD, "_version", lambda dist: triton_version if dist == "triton" else "0.30.4")
+
+    given("2.4.1", "3.6.0")
+    problem = WORLD._known_problem(cpu)
+    assert 'pip install "numpy>=2,<2.4"' in problem and "restart" in problem
+    assert WORLD._known_problem(gpu) is None  # compiled Triton kernels do not go through the interpreter
+    given("2.4.1", "3.7.1")
+    assert WORLD._known_problem(cpu) is None
+    given("2.3.5", "3.6.0")
+    assert WORLD._known_problem(cpu) is None
+    given("2.5.2", "3.9.0")  # numba-cuda 0.30.4 with numpy 2.5: made to work by setup(), no warning
+    assert WORLD._known_problem(cpu) is None and WORLD._known_problem(gpu) is None

@@ -50,8 +50,13 @@ def test_generated_exercises_hold_no_solution_and_no_output():
                 assert not cell.outputs and cell.execution_count is None, path
 
 
-def test_setup_cell_comes_from_config():
-    assert notebooks.config()["repository"]["url"] in notebooks.bootstrap_source()
+def test_setup_cell_comes_from_config_and_installs_a_release():
+    source = notebooks.bootstrap_source()
+    assert notebooks.config()["repository"]["url"] in source
+    import kernelcourse
+
+    assert notebooks.release_ref() == f"v{kernelcourse.__version__}"  # pyproject and the package agree
+    assert f"@v{kernelcourse.__version__}\"" in source and "@main" not in source
 
 
 def _stamped_lesson():
@@ -59,7 +64,8 @@ def _stamped_lesson():
     nb.cells = [nbformat.v4.new_code_cell(notebooks.bootstrap_source(), metadata={"tags": ["bootstrap"]}),
                 nbformat.v4.new_code_cell("x = 1", execution_count=2)]
     nb.cells[0].execution_count = 1
-    nb.metadata["kernelcourse"] = {"stamp": {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-21",
+    versions = {k: "1.0" for k in stamp.VERSION_KEYS}
+    nb.metadata["kernelcourse"] = {"stamp": {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-21", "versions": versions,
                                              "code_sha256": notebooks.code_hash(nb)}}
     return nb
 
@@ -79,6 +85,12 @@ def test_stamp_check_ignores_the_setup_cell_and_prose():
     nb.cells[0].source += "\n# another repository"
     nb.cells.append(nbformat.v4.new_markdown_cell("More prose."))
     assert stamp.stamp_problem(nb) is None
+
+
+def test_stamp_check_wants_every_version_that_changes_a_result():
+    nb = _stamped_lesson()
+    del nb.metadata["kernelcourse"]["stamp"]["versions"]["numpy"]
+    assert "version of numpy" in stamp.stamp_problem(nb)
 
 
 def test_stamp_check_rejects_missing_and_cpu_stamps():

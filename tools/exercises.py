@@ -75,8 +75,8 @@ def note_cell(stem: str):
     cell = nbformat.v4.new_markdown_cell(
         f"> **Your exercise notebook.** Fill in the cells marked `YOUR CODE HERE` and run the grader cell "
         f"under each; `make grade NB=exercises/{stem}.ipynb` grades the whole notebook. It is generated from "
-        f"`solutions/{stem}.ipynb` by `tools/exercises.py`: course maintainers edit that notebook, then run "
-        "`make exercises`."
+        f"`solutions/{stem}.ipynb`, which holds one way to write each answer: open it when you are stuck, or to "
+        "compare once your answer passes."
     )
     cell.id = "generated-note"
     return cell

@@ -1,8 +1,10 @@
 """What the repository's tools share about notebooks: where they are, the setup cell, the code hash.
 
-Every notebook starts with one code cell tagged ``bootstrap``. It is written from ``_config.yml``
-(``repository.url`` is the one place the course's address lives) by ``python tools/notebooks.py``,
-and ``--check`` fails when a notebook's setup cell differs.
+Every notebook starts with one code cell tagged ``bootstrap``. It is written by
+``python tools/notebooks.py`` from ``_config.yml`` (``repository.url`` is the one place the course's
+address lives) and from the package's version in ``pyproject.toml``: on Colab the cell installs the
+helper package from the release tag ``v<version>``, never from a moving branch, so a notebook gets the
+package it was written against. ``--check`` fails when a notebook's setup cell differs.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 import hashlib
 import json
 import sys
+import tomllib
 from pathlib import Path
 
 import nbformat
@@ -21,11 +24,19 @@ BOOTSTRAP_TAG = "bootstrap"
 
 BOOTSTRAP = '''\
 # Setup: picks the world (GPU, or CPU with Triton's interpreter and numba's CUDA simulator).
-# On Colab it first installs the course's helper package; Colab's own torch and triton stay as they are.
+# On Colab it first installs the course's helper package, at the release these notebooks were written
+# for; Colab's own torch, triton and numpy stay as they are.
 import importlib.util, subprocess, sys
 if importlib.util.find_spec("kernelcourse") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "git+{url}@{branch}"], check=True)
+    package = "git+{url}@{ref}"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", package],
+                         capture_output=True, text=True)
+    if pip.returncode != 0:
+        raise SystemExit(f"Could not install the course's helper package ({{package}}; pip: "
+                         f"{{(pip.stderr.strip().splitlines() or ['no message'])[-1]}}): connect this machine to "
+                         "the internet and check that the course's address opens in a browser, or install the "
+                         "package from a copy of the course with `pip install -e PATH`, then run this cell again.")
+    importlib.invalidate_caches()
 import kernelcourse as kc
 world = kc.setup()'''
 
@@ -34,9 +45,15 @@ def config() -> dict:
     return yaml.safe_load((ROOT / "_config.yml").read_text())
 
 
-def bootstrap_source() -> str:
-    repo = config()["repository"]
-    return BOOTSTRAP.format(url=repo["url"], branch=repo.get("branch", "main"))
+def release_ref() -> str:
+    """The git tag of the release these notebooks belong to: ``v`` and the package's version."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    return f"v{version}"
+
+
+def bootstrap_source(url: str | None = None, ref: str | None = None) -> str:
+    """The setup cell; ``url`` and ``ref`` default to the course's repository and release."""
+    return BOOTSTRAP.format(url=url or config()["repository"]["url"], ref=ref or release_ref())
 
 
 def all_notebooks(folders=FOLDERS) -> list[Path]:

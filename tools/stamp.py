@@ -6,10 +6,11 @@ Lesson notebooks are committed executed on a GPU so that the website shows real 
     python tools/stamp.py --record notebooks/01_vector_add.ipynb   # ...and refresh its recorded results
     python tools/stamp.py --check notebooks/*.ipynb                # CI: stamped on a GPU, code unchanged since
 
-The stamp (notebook metadata ``kernelcourse.stamp``) holds the GPU, its compute capability, the
-versions of python/torch/triton/numba/CUDA, the date and a hash of the code cells. ``--check`` fails
-when a notebook has no GPU stamp or when its code cells no longer hash to the stamped value (its
-outputs are stale).
+The stamp (notebook metadata ``kernelcourse.stamp``) holds the GPU, its compute capability, every
+version that can change a result (``kernelcourse.world.VERSION_KEYS``: python, numpy, torch, triton,
+numba, numba-cuda, CuPy, CUDA, nvcc, the driver), the date and a hash of the code cells. ``--check``
+fails when a notebook has no GPU stamp, when its stamp lacks one of those versions, or when its code
+cells no longer hash to the stamped value (its outputs are stale).
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from pathlib import Path
 
 from notebooks import ROOT, code_hash, read, write
 
+sys.path.insert(0, str(ROOT / "src"))
+from kernelcourse.world import VERSION_KEYS  # noqa: E402  (imports neither torch nor triton)
+
 
 def stamp_problem(nb) -> str | None:
     stamp = nb.metadata.get("kernelcourse", {}).get("stamp")
@@ -29,6 +33,9 @@ def stamp_problem(nb) -> str | None:
         return "no GPU stamp: it was never executed with tools/stamp.py on a GPU"
     if not stamp.get("gpu") or stamp["gpu"] == "CPU":
         return "its stamp is not from a GPU"
+    missing = [k for k in VERSION_KEYS if k not in stamp.get("versions", {})]
+    if missing:
+        return f"its stamp does not record the version of {', '.join(missing)}: it predates them"
     if stamp.get("code_sha256") != code_hash(nb):
         return f"its code changed after it was executed on {stamp['gpu']} ({stamp['date']}): outputs are stale"
     unexecuted = sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip() and c.execution_count is None)
@@ -57,7 +64,6 @@ def execute(path: Path, record: bool, timeout: int) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("tools/stamp.py executes notebooks on a GPU, and torch sees none here")
-    sys.path.insert(0, str(ROOT / "src"))
     import kernelcourse as kc
 
     w = kc.setup(quiet=True)

@@ -12,13 +12,17 @@ with ``N_Q`` and ``N_K`` free to differ.
 - ``tiled_attention_ref``: attention tile by tile in plain PyTorch with the online softmax, the
   algorithm of the kernel, without ever holding more than a tile of scores;
 - ``flash_attention``: the Triton forward kernel, returning the output and the log-sum-exp that a
-  backward pass needs.
+  backward pass needs; the chapter builds it in four versions, ``flash_attention_v1_kernel`` to
+  ``flash_attention_v4_kernel`` (the final one), and ``flash_attention(..., version=N)`` runs any of them;
+- ``causal_key_range``: the keys a causal query tile computes without a mask, with one, or skips, shared by
+  the kernels, the lesson and the graders.
 
 **Causal masks are top-left aligned**, as in ``torch.nn.functional.scaled_dot_product_attention(...,
 is_causal=True)``: query ``i`` sees keys ``j <= i``, counting both from the start of their sequences.
 With ``N_Q > N_K`` the queries past ``N_K`` see every key; with ``N_Q < N_K`` the keys past ``N_Q`` are
 never seen. Every row sees at least key 0, so no row of the softmax is empty. (Bottom-right alignment,
-``j <= i + N_K - N_Q``, is what decoding with a KV cache wants; it is not what SDPA's flag does.)
+``j <= i + N_K - N_Q``, is what decoding with a KV cache wants: the last query is the newest token and
+sees every cached key. It is not what SDPA's flag does; with ``N_Q = N_K`` the two agree.)
 
 The log-sum-exp ``lse[b, h, i] = log Σ_j exp(s_ij)`` of the scaled scores ``s = q kᵀ · sm_scale`` is
 in natural-log units, float32, shape ``(B, H, N_Q)``: ``softmax(s)_ij = exp(s_ij - lse_i)``.
@@ -38,10 +42,10 @@ from .world import world
 
 __all__ = ["attention_ref", "causal_mask", "softmax_state", "online_softmax_merge", "online_softmax",
            "tiled_attention_ref", "flash_attention", "flash_attention_kernel", "attention_flops",
-           "tuned_config", "FWD_CONFIGS", "LOG2E"]
+           "tuned_config", "FWD_CONFIGS", "LOG2E", "attention"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
-LN2 = 0.6931471805599453    # ln(2): log(x) = log2(x) * ln(2)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) = log2(x) * ln(2); a constexpr, so kernels can read it
 
 
 # ---- the spec ----------------------------------------------------------------------------------
@@ -174,18 +178,95 @@ def tiled_attention_ref(q, k, v, causal: bool = False, sm_scale: float | None = 
     return o, lse if ct == torch.float64 else lse.float()
 
 
-# ---- the Triton kernel ---------------------------------------------------------------------------
+# ---- the Triton kernels, version by version ------------------------------------------------------
+#
+# Chapter 06 builds the forward kernel in four versions, kept side by side (same name, version suffix):
+#   v1  pointer loads, every key tile computed and masked, exp              (exercise 06.4's kernel)
+#   v2  exp2 with log2(e) in the scale; causal tiles above the diagonal skipped; masks only on the tiles
+#       that need one; the longest causal programs first                  (pointer loads: any GPU)
+#   v3  tiles read through tensor descriptors (TMA copies on Hopper)
+#   v4  the inner loop software-pipelined: the next tile's q kᵀ issued before this tile's p @ v (final)
+# ``flash_attention(..., version=N)`` runs any of them; by default v4, or v2 on GPUs older than Hopper,
+# which have no TMA (Triton would rewrite v4's descriptor loads into pointer loads nobody tested).
+
+VERSIONS = {1: "pointer loads, every tile masked", 2: "causal tiles skipped, masked tiles split off, exp2",
+            3: "tensor descriptors (TMA)", 4: "software-pipelined loop"}
+FINAL = 4
 
 
 @triton.jit
-def _load_tile(desc, off_z, off_h, row, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows row .. row + BLOCK - 1 of head (off_z, off_h) of a (B, H, N, d) tensor, as (BLOCK, HEAD_DIM).
+def causal_key_range(q0, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(n_full, n_end)`` for the causal query tile of rows q0 .. q0 + BLOCK_M - 1 and N_K keys.
 
-    Through a tensor descriptor: rows past N read as 0, so the load needs no mask. On an H100 the copy
-    engine (TMA) does the address arithmetic; elsewhere, and in the interpreter, it is an ordinary load.
+    Keys [0, n_full) form whole tiles that every query of the tile sees: no mask. Keys [n_full, n_end)
+    need one (they cross the diagonal, or pass N_K). Keys from n_end on come after the tile's last query
+    and are never loaded. n_full is a multiple of BLOCK_N, so the masked tiles start on a tile boundary.
+
+    The kernels call it on scalars; on the host ``causal_key_range.fn(q0, n_k, block_m, block_n)`` is the
+    same function on Python ints (Triton compiles ``min`` of two scalars to ``tl.minimum``).
     """
-    return desc.load([off_z, off_h, row, 0]).reshape(BLOCK, HEAD_DIM)
+    n_full = min((q0 + 1) // BLOCK_N * BLOCK_N,       # tiles whose last key is <= q0, the first query
+                 N_K // BLOCK_N * BLOCK_N)            # and that lie entirely before N_K
+    n_end = min(q0 + BLOCK_M, N_K)                    # the last query, q0 + BLOCK_M - 1, sees keys < q0 + BLOCK_M
+    return n_full, n_end
 
+
+@triton.jit
+def _key_range(q0, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(n_full, n_end) of any query tile: the causal range, or all keys with only the last, partial tile masked."""
+    if CAUSAL:
+        n_full, n_end = causal_key_range(q0, N_K, BLOCK_M, BLOCK_N)
+    else:
+        n_full, n_end = N_K // BLOCK_N * BLOCK_N, N_K
+    return n_full, n_end
+
+
+# -- v1: the kernel of exercise 06.4, with a causal mask and the log-sum-exp
+
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
+def flash_attention_v1_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, N_Q, N_K,
+                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              CAUSAL: tl.constexpr):
+    # program (query tile, batch·head) of contiguous (B·H, N, d) tensors
+    start_m = tl.program_id(0)
+    off_hz = tl.program_id(1).to(tl.int64)
+    q_ptr += off_hz * N_Q * HEAD_DIM
+    o_ptr += off_hz * N_Q * HEAD_DIM
+    k_ptr += off_hz * N_K * HEAD_DIM
+    v_ptr += off_hz * N_K * HEAD_DIM
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < N_Q, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)              # running max
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                            # running sum of exp
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                  # running p @ v
+    for start_n in range(0, N_K, BLOCK_N):                                 # every key tile, causal or not
+        keys = start_n + offs_n
+        k = tl.load(k_ptr + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None] < N_K, other=0.0)
+        v = tl.load(v_ptr + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None] < N_K, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale                              # (BLOCK_M, BLOCK_N), fp32
+        keep = keys[None, :] < N_K
+        if CAUSAL:
+            keep = keep & (keys[None, :] <= offs_m[:, None])               # top-left: key j <= query i
+        s = tl.where(keep, s, float("-inf"))
+        # Key 0 is in the first tile and every row sees it: from then on m_new is finite, and a row whose
+        # scores in a later tile are all -inf gets p = exp(-inf) = 0 from it.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)                                        # rescales what was summed against m_i
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    tl.store(lse_ptr + off_hz * N_Q + offs_m, m_i + tl.log(l_i), mask=offs_m < N_Q)
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=offs_m[:, None] < N_Q)
+
+
+# -- pieces shared by v2, v3 and v4
 
 @triton.jit
 def _probabilities(qk, m_i, qk_scale, keys, offs_m, N_K, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
@@ -203,6 +284,8 @@ def _probabilities(qk, m_i, qk_scale, keys, offs_m, N_K, MASKED: tl.constexpr, C
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         qk -= m_new[:, None]
     else:
+        # qk_scale > 0, so max(qk) · qk_scale = max(qk · qk_scale): the max can be taken on the raw
+        # scores, and the scaling fused into the subtraction below as one multiply-add per score.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         qk = qk * qk_scale - m_new[:, None]
     # Every row has seen key 0 by its first tile, so m_new is finite and -inf - m_new is -inf: p = 0.
@@ -220,6 +303,130 @@ def _accumulate(acc, l_i, m_i, m_new, p, v):
 
 
 @triton.jit
+def _program_tile(CAUSAL: tl.constexpr):
+    """(query tile, batch·head) of this program. Causal: the query tiles near the end have the most keys,
+    so they start first (the grid is reversed), and the GPU is not left waiting for a few long ones."""
+    start_m = tl.program_id(0)
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - start_m
+    return start_m, tl.program_id(1)
+
+
+# -- v2: exp2, causal tiles skipped, masks only where needed; pointer loads
+
+@triton.jit
+def _load_rows(ptr, rows, offs_d, n_rows, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Rows ``rows`` of a contiguous (n_rows, HEAD_DIM) matrix at ptr; MASKED: rows past n_rows read 0."""
+    ptrs = ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _attend_tiles_v2(acc, l_i, m_i, q, k_ptr, v_ptr, qk_scale, offs_m, offs_n, offs_d, lo, hi, N_K,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold the key tiles lo, lo + BLOCK_N, ... < hi into the running (acc, l_i, m_i)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        keys = start_n + offs_n
+        qk = tl.dot(q, tl.trans(_load_rows(k_ptr, keys, offs_d, N_K, HEAD_DIM, MASKED=MASKED)))
+        p, m_new = _probabilities(qk, m_i, qk_scale, keys, offs_m, N_K, MASKED=MASKED, CAUSAL=CAUSAL)
+        v = _load_rows(v_ptr, keys, offs_d, N_K, HEAD_DIM, MASKED=MASKED)
+        acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, v)
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
+def flash_attention_v2_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, N_Q, N_K,
+                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              CAUSAL: tl.constexpr):
+    start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
+    off_hz = off_hz.to(tl.int64)                      # contiguous (B·H, N, d): large offsets need 64 bits
+    q_ptr += off_hz * N_Q * HEAD_DIM
+    o_ptr += off_hz * N_Q * HEAD_DIM
+    k_ptr += off_hz * N_K * HEAD_DIM
+    v_ptr += off_hz * N_K * HEAD_DIM
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = _load_rows(q_ptr, offs_m, offs_d, N_Q, HEAD_DIM, MASKED=True)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)              # running max, base 2
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                            # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                  # running p @ v
+
+    # Keys [0, n_full) need no mask; [n_full, n_end) do; [n_end, N_K) are never loaded.
+    n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
+    acc, l_i, m_i = _attend_tiles_v2(acc, l_i, m_i, q, k_ptr, v_ptr, qk_scale, offs_m, offs_n, offs_d,
+                                     0, n_full, N_K, BLOCK_N, HEAD_DIM, MASKED=False, CAUSAL=CAUSAL)
+    acc, l_i, m_i = _attend_tiles_v2(acc, l_i, m_i, q, k_ptr, v_ptr, qk_scale, offs_m, offs_n, offs_d,
+                                     n_full, n_end, N_K, BLOCK_N, HEAD_DIM, MASKED=True, CAUSAL=CAUSAL)
+
+    # epilogue: normalise once, and keep log Σ exp(s) (natural log) for the backward pass
+    tl.store(lse_ptr + off_hz * N_Q + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < N_Q)
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=offs_m[:, None] < N_Q)
+
+
+# -- v3: the same, reading tiles through tensor descriptors
+
+@triton.jit
+def _load_tile(desc, off_z, off_h, row, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows row .. row + BLOCK - 1 of head (off_z, off_h) of a (B, H, N, d) tensor, as (BLOCK, HEAD_DIM).
+
+    Through a tensor descriptor: rows past N read as 0, so the load needs no mask. On an H100 the copy
+    engine (TMA) does the address arithmetic; elsewhere, and in the interpreter, it is an ordinary load.
+    """
+    return desc.load([off_z, off_h, row, 0]).reshape(BLOCK, HEAD_DIM)
+
+
+@triton.jit
+def _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n, lo, hi, N_K,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold the key tiles lo, lo + BLOCK_N, ... < hi into the running (acc, l_i, m_i)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        qk = tl.dot(q, tl.trans(_load_tile(k_desc, off_z, off_h, start_n, BLOCK_N, HEAD_DIM)))
+        p, m_new = _probabilities(qk, m_i, qk_scale, start_n + offs_n, offs_m, N_K, MASKED=MASKED, CAUSAL=CAUSAL)
+        v = _load_tile(v_desc, off_z, off_h, start_n, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, v)
+    return acc, l_i, m_i
+
+
+# H, N_Q and N_K vary from call to call: compiling a variant for each (Triton specializes integer
+# arguments by whether they are 1 or multiples of 16) would only cost compile time; nothing in the
+# unmasked loop depends on them.
+@triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
+def flash_attention_v3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
+                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              CAUSAL: tl.constexpr):
+    start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
+    offs_n = tl.arange(0, BLOCK_N)
+    q = _load_tile(q_desc, off_z, off_h, start_m * BLOCK_M, BLOCK_M, HEAD_DIM)  # rows past N_Q read 0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)              # running max, base 2
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                            # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                  # running p @ v
+
+    n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
+    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+                                     0, n_full, N_K, BLOCK_N, HEAD_DIM, MASKED=False, CAUSAL=CAUSAL)
+    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+                                     n_full, n_end, N_K, BLOCK_N, HEAD_DIM, MASKED=True, CAUSAL=CAUSAL)
+
+    tl.store(lse_ptr + off_hz * N_Q + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < N_Q)
+    o = (acc / l_i[:, None]).to(o_desc.dtype)
+    o_desc.store([off_z, off_h, start_m * BLOCK_M, 0], o.reshape(1, 1, BLOCK_M, HEAD_DIM))  # rows past N_Q: not written
+
+
+# -- v4, the final version: the inner loop software-pipelined
+
+@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n, lo, hi, N_K,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """The inner loop: fold the key tiles lo, lo + BLOCK_N, ... < hi into the running (acc, l_i, m_i).
@@ -233,31 +440,27 @@ def _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs
     if lo < hi:
         last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N                     # the start of the last tile
         qk = tl.dot(q, tl.trans(_load_tile(k_desc, off_z, off_h, lo, BLOCK_N, HEAD_DIM)))
+        # Invariant at the top of each iteration: qk holds the raw scores of tile start_n, whose softmax
+        # is not taken yet; (acc, l_i, m_i) hold every tile before start_n.
         for start_n in range(lo, last, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            p, m_new = _probabilities(qk, m_i, qk_scale, start_n + offs_n, offs_m, N_K, MASKED, CAUSAL)
+            p, m_new = _probabilities(qk, m_i, qk_scale, start_n + offs_n, offs_m, N_K, MASKED=MASKED, CAUSAL=CAUSAL)
             qk = tl.dot(q, tl.trans(_load_tile(k_desc, off_z, off_h, start_n + BLOCK_N, BLOCK_N, HEAD_DIM)))
-            acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, _load_tile(v_desc, off_z, off_h, start_n, BLOCK_N, HEAD_DIM))
-        p, m_new = _probabilities(qk, m_i, qk_scale, last + offs_n, offs_m, N_K, MASKED, CAUSAL)
-        acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, _load_tile(v_desc, off_z, off_h, last, BLOCK_N, HEAD_DIM))
+            v = _load_tile(v_desc, off_z, off_h, start_n, BLOCK_N, HEAD_DIM)
+            acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, v)
+        p, m_new = _probabilities(qk, m_i, qk_scale, last + offs_n, offs_m, N_K, MASKED=MASKED, CAUSAL=CAUSAL)
+        v = _load_tile(v_desc, off_z, off_h, last, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _accumulate(acc, l_i, m_i, m_new, p, v)
     return acc, l_i, m_i
 
 
-# H, N_Q and N_K vary from call to call: compiling a variant for each (Triton specializes integer
-# arguments by whether they are 1 or multiples of 16) would only cost compile time; nothing in the
-# unmasked loop depends on them.
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
-def flash_attention_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
-                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           CAUSAL: tl.constexpr):
-    # program (query tile, batch·head); causal tiles near the end have the most keys: start them first
-    start_m = tl.program_id(0)
-    if CAUSAL:
-        start_m = tl.num_programs(0) - 1 - start_m
-    off_hz = tl.program_id(1)
+def flash_attention_v4_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
+                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              CAUSAL: tl.constexpr):
+    start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
-
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)
     q = _load_tile(q_desc, off_z, off_h, start_m * BLOCK_M, BLOCK_M, HEAD_DIM)  # rows past N_Q read 0
@@ -267,24 +470,26 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                  # running p @ v
 
     # Keys [0, n_full) need no mask; [n_full, n_end) do; [n_end, N_K) are never loaded.
-    n_whole = (N_K // BLOCK_N) * BLOCK_N           # tiles that lie entirely before N_K
-    if CAUSAL:
-        q0 = start_m * BLOCK_M
-        n_end = tl.minimum(q0 + BLOCK_M, N_K)                  # the tile's last query sees keys < q0 + BLOCK_M
-        n_full = tl.minimum((q0 + 1) // BLOCK_N * BLOCK_N, n_whole)  # tiles whose last key is <= q0
-    else:
-        n_end = N_K
-        n_full = n_whole
+    n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
-                                  0, n_full, N_K, BLOCK_N, HEAD_DIM, False, CAUSAL)
+                                  0, n_full, N_K, BLOCK_N, HEAD_DIM, MASKED=False, CAUSAL=CAUSAL)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
-                                  n_full, n_end, N_K, BLOCK_N, HEAD_DIM, True, CAUSAL)
+                                  n_full, n_end, N_K, BLOCK_N, HEAD_DIM, MASKED=True, CAUSAL=CAUSAL)
 
-    # epilogue: normalise once, and keep log Σ exp(s) (natural log) for the backward pass
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    # epilogue: normalise once, and keep log Σ exp(s) = (m2 + log2 Σ exp2(s2 - m2)) · ln 2 for the backward pass
+    lse = (m_i + tl.math.log2(l_i)) * LN2
     tl.store(lse_ptr + off_hz * N_Q + offs_m, lse, mask=offs_m < N_Q)
     o = (acc / l_i[:, None]).to(o_desc.dtype)
     o_desc.store([off_z, off_h, start_m * BLOCK_M, 0], o.reshape(1, 1, BLOCK_M, HEAD_DIM))  # rows past N_Q: not written
+
+
+flash_attention_kernel = flash_attention_v4_kernel     # the final version
+_KERNELS = {1: flash_attention_v1_kernel, 2: flash_attention_v2_kernel, 3: flash_attention_v3_kernel,
+            4: flash_attention_v4_kernel}
+_DESCRIPTORS = {3, 4}                                  # the versions that read tiles through tensor descriptors
+
+
+# ---- tile sizes ----------------------------------------------------------------------------------
 
 
 def _set_block_shapes(nargs):
@@ -294,24 +499,21 @@ def _set_block_shapes(nargs):
     nargs["k_desc"].block_shape = nargs["v_desc"].block_shape = [1, 1, bn, d]
 
 
-def _config(block_m, block_n, warps, stages):
+def _config(block_m, block_n, warps, stages, pre_hook=_set_block_shapes):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages,
-                         pre_hook=_set_block_shapes)
+                         pre_hook=pre_hook)
 
 
-# The autotuner's candidates, from sweeps on an H100 and an H200. With d = 64, 128 x 64 tiles win, in
-# 4 warps (one warpgroup) or 8. With d = 128, 128 x 128 tiles in 8 warps and 2 stages won at every
-# sequence length (3 stages of 128-row K and V tiles no longer fit in shared memory), so a large GPU
-# tries only that: timing slower candidates for 40 ms each only gives the autotuner's noise a chance to
-# pick one. The 64-query tiles are for GPUs with less shared memory (chosen by _prune).
-FWD_CONFIGS = [
-    _config(128, 64, 4, 3),
-    _config(128, 64, 8, 3),
-    _config(128, 64, 8, 4),
-    _config(128, 128, 8, 2),
-    _config(64, 64, 4, 3),
-    _config(64, 32, 4, 2),
-]
+# The autotuner's candidates (BLOCK_M, BLOCK_N, warps, stages), from sweeps on an H100 and an H200. With
+# d = 64, 128 x 64 tiles win, in 4 warps (one warpgroup) or 8. With d = 128, 128 x 128 tiles in 8 warps
+# and 2 stages won at every sequence length (3 stages of 128-row K and V tiles no longer fit in shared
+# memory), so a large GPU tries only that: timing slower candidates for 40 ms each only gives the
+# autotuner's noise a chance to pick one. The smaller tiles are for GPUs with less shared memory (a T4
+# has 64 KB per block) and for d = 256 (chosen by _prune).
+_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+               (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 1)]
+FWD_CONFIGS = [_config(*c) for c in _CANDIDATES]                       # v3, v4: descriptors get their tiles
+_POINTER_CONFIGS = [_config(*c, pre_hook=None) for c in _CANDIDATES]   # v1, v2
 # Which candidates a large GPU tries for each head dim (keys of the configs above).
 _TRIED = {
     64: {(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)},
@@ -330,13 +532,17 @@ def _smem_bytes(c: triton.Config, head_dim: int, itemsize: int = 2) -> int:
     return itemsize * (head_dim * (bm + 2 * c.num_stages * bn) + bm * bn)
 
 
+def _device_properties() -> dict:
+    """Triton's properties of the current GPU (``max_shared_mem``: bytes of shared memory per block)."""
+    return triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+
+
 def _prune(configs, named_args, **kwargs):
     """The candidates worth timing: on a large GPU, the few chosen for this head dim; on a smaller one
     (or an unusual head dim), those whose tiles fit in its shared memory."""
     d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
     n_q = named_args.get("N_Q", kwargs.get("N_Q"))
-    props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
-    smem = props.get("max_shared_mem", 0) or 1 << 30
+    smem = _device_properties().get("max_shared_mem", 0) or 1 << 30
     tried = _TRIED.get(d if d > 64 else 64)
     if smem >= 200 * 1024 and tried is not None:
         kept = [c for c in configs if _key(c) in tried]
@@ -344,32 +550,35 @@ def _prune(configs, named_args, **kwargs):
         kept = [c for c in configs if _smem_bytes(c, d) <= smem]
     # a 128-row tile for a 40-query sequence computes mostly padding: prefer tiles that fit
     short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(n_q, 64)]
-    return short or kept or configs[-1:]
+    return short or kept or [min(configs, key=lambda c: _smem_bytes(c, d))]
 
 
-def tuned_config() -> str | None:
-    """The config the autotuner chose for the last GPU launch of ``flash_attention``, in words."""
-    c = getattr(_tuned, "best_config", None)
+def tuned_config(version: int = FINAL) -> str | None:
+    """The config the autotuner chose for the last GPU launch of ``flash_attention(..., version)``, in words."""
+    c = getattr(_tuned.get(version), "best_config", None)
     if c is None:
         return None
     return f"BLOCK_M={c.kwargs['BLOCK_M']}, BLOCK_N={c.kwargs['BLOCK_N']}, {c.num_warps} warps, {c.num_stages} stages"
 
 
-_tuned = None
+_tuned = {}
 
 
-def _tuned_kernel():
-    global _tuned
-    if _tuned is None:
+def _tuned_kernel(version: int = FINAL):
+    if version not in _tuned:
         # The autotuner times each candidate for ~40 ms (not Triton's default 125): enough to rank them,
         # and it runs again for every new (N_Q, N_K, HEAD_DIM, CAUSAL, dtype).
         def bench(fn, quantiles):
             return triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=quantiles)
 
-        tune = triton.autotune(FWD_CONFIGS, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL"],
+        configs = FWD_CONFIGS if version in _DESCRIPTORS else _POINTER_CONFIGS
+        tune = triton.autotune(configs, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL"],
                                prune_configs_by={"early_config_prune": _prune}, do_bench=bench)
-        _tuned = tune(flash_attention_kernel)
-    return _tuned
+        _tuned[version] = tune(_KERNELS[version])
+    return _tuned[version]
+
+
+# ---- the launcher ----------------------------------------------------------------------------------
 
 
 def _descriptor_ready(t: torch.Tensor) -> torch.Tensor:
@@ -381,13 +590,33 @@ def _descriptor_ready(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None, config: dict | None = None):
+def default_version(capability: tuple[int, int] | None) -> int:
+    """The version ``flash_attention`` runs on a GPU of this compute capability (None: the interpreter).
+
+    Before Hopper (9.0) GPUs have no TMA, and Triton would turn v4's tensor-descriptor loads into pointer
+    loads that were never tested or tuned there: they get v2, the fastest version that loads through
+    pointers.
+    """
+    return FINAL if capability is None or tuple(capability) >= (9, 0) else 2
+
+
+def check_dtype(dtype: torch.dtype, capability: tuple[int, int] | None) -> None:
+    """Raise a ValueError that says what to do for a dtype this GPU (None: the interpreter) cannot run."""
+    if dtype == torch.bfloat16 and capability is not None and tuple(capability) < (8, 0):
+        raise ValueError(f"bfloat16 needs a GPU of compute capability 8.0 or newer (Ampere); this one is "
+                         f"{capability[0]}.{capability[1]}: use float16 (q, k, v = q.half(), k.half(), v.half())")
+
+
+def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None, config: dict | None = None,
+                    version: int | None = None):
     """FlashAttention forward: ``(o, lse)`` for ``q`` (B, H, N_Q, d) and ``k``, ``v`` (B, H, N_K, d).
 
     ``o`` has ``q``'s shape and dtype; ``lse`` is float32 (B, H, N_Q), natural log. ``d`` is a power of
     two from 16 to 256. ``causal`` masks top-left (query i sees keys j <= i, as SDPA's ``is_causal``).
     On a GPU the tile sizes are autotuned per (N_Q, N_K, d, causal, dtype) unless ``config`` gives them
     (keys BLOCK_M, BLOCK_N, num_warps, num_stages); in the interpreter they default to 32 x 32.
+    ``version`` picks one of chapter 06's versions (``VERSIONS``); by default the final one, v4, or on a
+    GPU older than Hopper v2 (see ``default_version``).
     """
     assert q.ndim == k.ndim == v.ndim == 4, "q, k, v are (B, H, N, d)"
     B, H, n_q, d = q.shape
@@ -396,19 +625,67 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
     assert q.dtype == k.dtype == v.dtype, "q, k and v must share one dtype"
     assert d in (16, 32, 64, 128, 256), f"head dim {d}: this kernel takes a power of two from 16 to 256"
     assert n_q >= 1 and n_k >= 1, "no queries, or no keys to attend to"
-    q, k, v = (_descriptor_ready(t) for t in (q, k, v))
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    check_dtype(q.dtype, capability)
+    version = default_version(capability) if version is None else version
+    assert version in _KERNELS, f"version {version}: chapter 06's versions are {sorted(_KERNELS)}"
     o = torch.empty((B, H, n_q, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
-    # block shapes are placeholders until _set_block_shapes gives each descriptor its config's tile
-    descs = {name: TensorDescriptor.from_tensor(t, [1, 1, 16, d])
-             for name, t in (("q_desc", q), ("k_desc", k), ("v_desc", v), ("o_desc", o))}
-    args = (*descs.values(), lse, _scale(q, sm_scale) * LOG2E, H, n_q, n_k)
+    scale = _scale(q, sm_scale)
+    if version in _DESCRIPTORS:
+        q, k, v = (_descriptor_ready(t) for t in (q, k, v))
+        # block shapes are placeholders until _set_block_shapes gives each descriptor its config's tile
+        tensors = {name: TensorDescriptor.from_tensor(t, [1, 1, 16, d])
+                   for name, t in (("q_desc", q), ("k_desc", k), ("v_desc", v), ("o_desc", o))}
+        args = (*tensors.values(), lse, scale * LOG2E, H, n_q, n_k)
+    else:
+        q, k, v = (t.contiguous() for t in (q, k, v))  # (B·H, N, d) rows, as the pointer kernels index them
+        args = (q, k, v, o, lse, scale if version == 1 else scale * LOG2E, n_q, n_k)
     if config is None and world().gpu:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _tuned_kernel()[grid](*args, HEAD_DIM=d, CAUSAL=causal)  # each config's pre-hook sets the shapes
+        _tuned_kernel(version)[grid](*args, HEAD_DIM=d, CAUSAL=causal)  # each config's pre-hook sets the shapes
     else:
         cfg = {**INTERPRETER_CONFIG, **(config or {})}
-        _set_block_shapes({**descs, **cfg, "HEAD_DIM": d})
+        if version in _DESCRIPTORS:
+            _set_block_shapes({**tensors, **cfg, "HEAD_DIM": d})
         grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
-        flash_attention_kernel[grid](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        _KERNELS[version][grid](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
     return o, lse
+
+
+# ---- differentiable attention (chapter 07) -------------------------------------------------------
+
+
+def attention(q, k, v, causal: bool = False, sm_scale: float | None = None):
+    """Differentiable FlashAttention, ``softmax(q kᵀ · sm_scale) v`` (introduced in chapter 07).
+
+    ``q`` is (B, H, N_Q, d), ``k`` and ``v`` (B, H, N_K, d), one floating dtype (float16, bfloat16 or
+    float32) on one device, ``d`` a power of two from 16 to 256. The forward is ``flash_attention``;
+    the backward, ``kernelcourse.attention_backward.flash_attention_backward``, recomputes the
+    probabilities from the saved log-sum-exp. Raises ``ValueError`` saying what is wrong with the input.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-dimensional (B, H, N, d), got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"{name} has dtype {t.dtype}: attention takes float16, bfloat16 or float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    B, H, n_q, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, H, N_K, d) with q's B={B}, H={H}, d={d}; got {tuple(k.shape)}")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim d={d} is not supported: use a power of two from 16 to 256")
+    if n_q == 0 or k.shape[2] == 0 or B == 0 or H == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale must be a finite number or None, got {sm_scale!r}")
+    from .attention_backward import FlashAttention  # imports this module: import it only when called
+
+    return FlashAttention.apply(q, k, v, bool(causal), sm_scale)

@@ -3,7 +3,8 @@
 The lessons build each kernel step by step, inline; this module keeps the finished versions in one
 place so that later chapters and the tests import them instead of copying them:
 
-- chapter 04: ``add`` (vector add), ``softmax`` (row softmax, one row per program),
+- chapter 04: ``add`` (vector add), ``softmax`` (row softmax: one row per program, several short
+  rows per program),
   ``residual_layer_norm`` (residual add + LayerNorm, optionally + GELU, in one pass);
 - chapter 05: ``matmul`` (tiled, grouped program order, K tail masks, an activation fused into the
   epilogue), the matmul that chapter 06's FlashAttention builds on.
@@ -22,7 +23,7 @@ import triton.language as tl
 from .world import world
 
 __all__ = ["add", "softmax", "residual_layer_norm", "matmul", "grouped_tile", "softmax_num_warps",
-           "add_kernel", "softmax_kernel", "residual_layer_norm_kernel", "matmul_kernel", "MATMUL_CONFIGS"]
+           "add_kernel", "softmax_kernel", "softmax_rows_kernel", "residual_layer_norm_kernel", "matmul_kernel", "MATMUL_CONFIGS"]
 
 # ---- chapter 04 --------------------------------------------------------------------------------
 
@@ -64,27 +65,76 @@ def softmax_num_warps(BLOCK: int) -> int:
     return max(1, min(16, BLOCK // 512))
 
 
+@triton.jit
+def softmax_rows_kernel(x_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y,
+                        BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # ROWS rows per program: a short row leaves one program too little work to cover its start-up
+    # and the latency of its loads; a (ROWS, BLOCK) tile gives each program ROWS times as much.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)   # (ROWS,)
+    cols = tl.arange(0, BLOCK)                                          # (BLOCK,)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)           # (ROWS, BLOCK)
+    # Padding is -inf, as in softmax_kernel; rows past n_rows (never stored) hold 0, not a row of -inf.
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                other=-float("inf")).to(tl.float32)
+    x = tl.where(rows[:, None] < n_rows, x, 0.0)
+    x = x - tl.max(x, axis=1)[:, None]  # one max per row
+    num = tl.exp(x)
+    y = num * (1.0 / tl.sum(num, axis=1))[:, None]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+SHORT_ROW = 1024           # rows up to this many elements (padded) go several to a program
+ROWS_TIMES_BLOCK_MAX = 4096  # at most this many elements per program
+
+
+def rows_per_program(BLOCK: int) -> int:
+    """A fixed choice of rows per program for the CPU: about 2048 elements per program."""
+    return max(1, min(16, 2048 // BLOCK))
+
+
 def _elements_per_thread_between(lo: int, hi: int):
-    """An autotune pruner: keep the configs that give each thread lo..hi elements of the row."""
+    """An autotune pruner: keep the configs that give each thread lo..hi elements of its rows (and,
+    for several rows per program, at most ROWS_TIMES_BLOCK_MAX elements per program)."""
     def prune(configs, named_args, **kwargs):
         block = kwargs["BLOCK"] if "BLOCK" in kwargs else named_args["BLOCK"]
-        kept = [c for c in configs if lo <= block // (32 * c.num_warps) <= hi]
+        kept = [c for c in configs if lo <= c.kwargs.get("ROWS", 1) * block // (32 * c.num_warps) <= hi
+                and c.kwargs.get("ROWS", 1) * block <= max(block, ROWS_TIMES_BLOCK_MAX)]
         return kept or configs[:1]
     return prune
 
 
 _ROW_WARPS = [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16)]
+_ROWS_WARPS = [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8, 16)]
 _softmax_tuned = None
+_softmax_rows_tuned = None
 _layer_norm_tuned = None
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension of a 2D tensor whose rows are contiguous (chapter 04)."""
-    global _softmax_tuned
+    """Softmax over the last dimension of a 2D tensor whose rows are contiguous (chapter 04).
+
+    Long rows go one to a program (``softmax_kernel``); rows of up to ``SHORT_ROW`` elements go
+    several to a program (``softmax_rows_kernel``). On a GPU the autotuner picks the warps (and the
+    rows per program) for each row length and dtype.
+    """
+    global _softmax_tuned, _softmax_rows_tuned
     assert x.ndim == 2 and x.stride(1) == 1
     n_rows, n_cols = x.shape
     y = torch.empty_like(x)
     BLOCK = triton.next_power_of_2(n_cols)
+    if BLOCK <= SHORT_ROW:
+        args = (x, y, n_rows, n_cols, x.stride(0), y.stride(0))
+        if world().gpu:
+            if _softmax_rows_tuned is None:
+                _softmax_rows_tuned = triton.autotune(
+                    _ROWS_WARPS, key=["BLOCK"],
+                    prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)})(softmax_rows_kernel)
+            _softmax_rows_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, BLOCK=BLOCK)
+        else:
+            ROWS = rows_per_program(BLOCK)
+            softmax_rows_kernel[(triton.cdiv(n_rows, ROWS),)](*args, BLOCK=BLOCK, ROWS=ROWS,
+                                                              num_warps=softmax_num_warps(ROWS * BLOCK))
+        return y
     args = (x, y, n_cols, x.stride(0), y.stride(0))
     if world().gpu:
         if _softmax_tuned is None:

@@ -71,9 +71,9 @@ def bound(flops: float, nbytes: float, peak_tflops: float, bandwidth_gbps: float
 # "fp32" is the non-tensor-core FP32 rate; "tf32" / "fp16" / "bf16" are tensor-core rates.
 
 DATASHEET: list[dict] = [
-    {"gpu": "T4", "memory": "16 GB GDDR6", "bandwidth_gbps": 300,
+    {"gpu": "T4", "memory": "16 GB GDDR6", "bandwidth_gbps": 320,
      "fp32": 8.1, "tf32": None, "fp16": 65, "bf16": None,
-     "note": "fp16 is 'mixed precision (FP16/FP32)'; no TF32 or BF16 on Turing",
+     "note": "datasheet prints '320+ GB/s'; fp16 is 'mixed precision (FP16/FP32)'; no TF32 or BF16 on Turing",
      "source": "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf"},
     {"gpu": "L4", "memory": "24 GB GDDR6", "bandwidth_gbps": 300,
      "fp32": 30.3, "tf32": 60, "fp16": 121, "bf16": 121,

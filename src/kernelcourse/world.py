@@ -11,9 +11,12 @@ import datetime as _dt
 import importlib.metadata as _md
 import os
 import platform
+import re
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _SIM_VARS = ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")
 
@@ -41,18 +44,98 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+# What a stamp, a recorded result and the setup banner record. Each of these can change a result the
+# course shows: numpy (chapter 01 broke on numpy 2.5), the compilers (triton, numba-cuda, nvcc), the
+# libraries timed as peers (torch, CuPy) and, on a GPU, the driver that JIT-compiles PTX.
+VERSION_KEYS = ("python", "numpy", "torch", "triton", "numba", "numba-cuda", "cupy", "cuda", "nvcc", "driver")
+
+
 def versions() -> dict:
-    """Versions that matter for reproducing a result, read without importing triton or numba."""
+    """Versions that can change a result, read without importing triton or numba (chapter 01 shows them)."""
+    import numpy
     import torch
 
     return {
         "python": platform.python_version(),
+        "numpy": numpy.__version__,
         "torch": torch.__version__,
         "triton": _version("triton"),
         "numba": _version("numba"),
         "numba-cuda": _version("numba-cuda"),
+        "cupy": next((v for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy") if (v := _version(d)) != "not installed"),
+                     "not installed"),
         "cuda": torch.version.cuda or "none",
+        "nvcc": _nvcc_version(),
+        "driver": _driver_version(),
     }
+
+
+def _nvcc_version() -> str:
+    from .cuda_cpp import nvcc
+
+    exe = nvcc()
+    if exe is None:
+        return "not installed"
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    match = re.search(r"release ([\d.]+)", out)
+    return match.group(1) if match else "unknown"
+
+
+def _driver_version() -> str:
+    """The NVIDIA driver's version, e.g. "580.95.05" ("none" on a machine without one; Linux only)."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return "none"
+    match = re.search(r"Kernel Module(?: for \w+)?\s+([\d.]+)", text)
+    return match.group(1) if match else "unknown"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(2, 5, 2) from "2.5.2", (0, 30, 4) from "0.30.4", (2, 6) from "2.6.0rc1"."""
+    return tuple(int(m.group()) for part in version.split("+")[0].split(".")[:3] if (m := re.match(r"\d+", part)))
+
+
+# numba-cuda up to 0.30.4, the newest release as of November 2026, registers its GPU version of
+# np.row_stack whenever numpy >= 2.0 (numba_cuda/numba/cuda/np/arrayobj.py: `if numpy_version >= (2, 0):
+# overload(np.row_stack)(...)`). numpy 2.5 removed np.row_stack, so on a real GPU the first @cuda.jit
+# kernel fails to compile with "module 'numpy' has no attribute 'row_stack'". numba 0.68.1 fixed the
+# same line in numba itself (`and numpy_version < (2, 5)`). Until a numba-cuda release does too,
+# setup() imports that one module with a stand-in np.row_stack and removes the stand-in right after:
+# numpy is left as it was (code that calls np.row_stack still fails, as numpy 2.5 means it to), the
+# stand-in is only registered, never called, and nothing else in numba changes.
+# Remove this when the course can require a numba-cuda release that checks for numpy < 2.5; raise the
+# bound below if a newer release still breaks (tests/test_package.py checks the installed one).
+NUMBA_CUDA_ROW_STACK_LAST_BROKEN = (0, 30, 4)
+
+
+def numba_cuda_needs_row_stack() -> bool:
+    """True when this numba-cuda would ask numpy for np.row_stack, and this numpy has none."""
+    import numpy
+
+    version = _version("numba-cuda")
+    return (not hasattr(numpy, "row_stack") and version != "not installed"
+            and _release(version) <= NUMBA_CUDA_ROW_STACK_LAST_BROKEN)
+
+
+def _import_numba_cuda_with_row_stack() -> None:
+    """Import numba-cuda's array module with np.row_stack present for that import only (see above)."""
+    import numpy
+
+    if "numba.cuda.np.arrayobj" in sys.modules:
+        return
+
+    def row_stack(tup, *, dtype=None, casting="same_kind"):  # registered by numba-cuda, never called
+        return numpy.vstack(tup, dtype=dtype, casting=casting)
+
+    numpy.row_stack = row_stack
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401
+    finally:
+        del numpy.row_stack
 
 
 def _enter_simulation() -> None:
@@ -92,6 +175,8 @@ def setup(world: str | None = None, quiet: bool = False) -> World:
     gpu = has_gpu if choice == "auto" else choice == "gpu"
     if gpu:
         _leave_simulation()
+        if numba_cuda_needs_row_stack():
+            _import_numba_cuda_with_row_stack()
         props = torch.cuda.get_device_properties(0)
         w = World(True, "cuda", props.name, (props.major, props.minor), versions())
     else:
@@ -107,16 +192,23 @@ def setup(world: str | None = None, quiet: bool = False) -> World:
     return w
 
 
+# Triton's interpreter up to 3.6 turns one-element arrays into Python numbers, which numpy 2.4 made an
+# error ("only 0-dimensional arrays can be converted to Python scalars"): on the CPU, Triton kernels
+# (chapters 04-06) fail. Chapters 01-03 and every GPU are unaffected. Numpy 2.5 and numba-cuda 0.30.4 are
+# made to work together above, so that pair needs no warning.
+TRITON_INTERPRETER_NUMPY_2_4_FIXED_IN = (3, 7)  # 3.7.1 and 3.8.0 checked
+
+
 def _known_problem(w: World) -> str | None:
-    """Version combinations known to break the course's tools, with what to do about them."""
+    """A version combination that cannot run the course, with exactly what to run about it."""
     import numpy
 
-    major_minor = tuple(int(p) for p in numpy.__version__.split(".")[:2])
-    if w.versions["numba-cuda"] != "not installed" and major_minor >= (2, 5):
-        return (f"numpy {numpy.__version__} breaks numba-cuda {w.versions['numba-cuda']} (its CUDA kernels fail "
-                "to compile); install numpy<2.5 (`pip install 'numpy>=2,<2.5'`) and restart the kernel.")
-    if not w.gpu and major_minor >= (2, 4) and w.versions["triton"].startswith("3.6"):
-        return f"numpy {numpy.__version__} breaks Triton 3.6's interpreter; install numpy<2.4 and restart the kernel."
+    triton = _version("triton")
+    if (not w.gpu and triton != "not installed" and _release(numpy.__version__) >= (2, 4)
+            and _release(triton) < TRITON_INTERPRETER_NUMPY_2_4_FIXED_IN):
+        return (f"numpy {numpy.__version__} breaks the interpreter of Triton {triton}, which runs Triton kernels "
+                "on the CPU (chapters 04-06). Run  %pip install \"numpy>=2,<2.4\"  in a cell, restart the kernel "
+                "(on Colab: Runtime > Restart session), then run the notebook again from the top.")
     return None
 
 
@@ -138,5 +230,6 @@ def banner(w: World) -> str:
     else:
         where = "CPU (no CUDA GPU): Triton runs in its interpreter, CUDA kernels in numba's simulator"
         note = "Kernels run for correctness only; timing cells show results recorded on a GPU."
-    versions_line = " · ".join(f"{k} {v[k]}" for k in ("python", "torch", "triton", "numba", "numba-cuda", "cuda"))
+    versions_line = " · ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "triton", "numba", "numba-cuda",
+                                                         "cuda"))
     return f"{where}\n{versions_line}\n{note}\nRun on {stamp}"

@@ -131,23 +131,21 @@ def checked():
     def itemsize(ptrs) -> int:
         return np.dtype(ti._get_np_dtype(ptrs.get_element_ty())).itemsize
 
-    def create_load(self, ptr, c, e, is_volatile):
+    def create_load(self, ptr, *args, **kwargs):
         _check("load", ptr.data, None, itemsize(ptr), masked=False)
-        return saved["create_masked_load"](self, ptr, ti.TensorHandle(np.ones_like(ptr.data, dtype=bool), ti.tl.int1),
-                                           None, c, e, is_volatile)
+        return saved["create_load"](self, ptr, *args, **kwargs)
 
-    def create_store(self, ptr, val, c, e):
+    def create_store(self, ptr, *args, **kwargs):
         _check("store", ptr.data, None, itemsize(ptr), masked=False)
-        return saved["create_masked_store"](self, ptr, val, ti.TensorHandle(np.ones_like(ptr.data, dtype=bool),
-                                                                              ti.tl.int1), None, None)
+        return saved["create_store"](self, ptr, *args, **kwargs)
 
-    def create_masked_load(self, ptrs, mask, other, c, e, is_volatile):
+    def create_masked_load(self, ptrs, mask, *args, **kwargs):
         _check("load", ptrs.data, mask.data, itemsize(ptrs), masked=True)
-        return saved["create_masked_load"](self, ptrs, mask, other, c, e, is_volatile)
+        return saved["create_masked_load"](self, ptrs, mask, *args, **kwargs)
 
-    def create_masked_store(self, ptrs, value, mask, c, e):
+    def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
         _check("store", ptrs.data, mask.data, itemsize(ptrs), masked=True)
-        return saved["create_masked_store"](self, ptrs, value, mask, c, e)
+        return saved["create_masked_store"](self, ptrs, value, mask, *args, **kwargs)
 
     cls.create_load, cls.create_store = create_load, create_store
     cls.create_masked_load, cls.create_masked_store = create_masked_load, create_masked_store

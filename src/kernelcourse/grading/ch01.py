@@ -230,3 +230,61 @@ def grade_gbps(report: Report, vector_add_gbps):
         hint = next((h for r, h in hints if abs(ratio - r) <= 1e-3 * r), "bytes moved / seconds / 1e9")
         report.fail(f"vector_add_gbps({n}, {itemsize}, {ms}) returned {got:.4g}, expected {want:.4g}: {hint}")
         return
+
+
+# ---- 01.6 matrix add at the memory's speed (graded on speed on a GPU) --------------------------------
+
+SPEED_SHAPE = (8192, 8192)  # float32: A, B and C move 768 MB, far more than any L2
+SPEED_AT_LEAST = 0.6        # of a device-to-device copy of as many bytes, timed in the same run
+
+
+@exercise("01.6", "matrix add at the memory's speed", names=("matrix_add",))
+def grade_matrix_add_speed(report: Report, matrix_add):
+    if not callable(matrix_add) or hasattr(matrix_add, "__getitem__"):
+        return report.fail("matrix_add should be a plain Python function that launches your kernel "
+                           "(kernel[grid, block](A, B, C)), not the kernel itself")
+    from numba import cuda
+
+    shapes = [(37, 53), (8, 130), (130, 8)] + ([(1000, 1003)] if world().gpu else [])
+    for rows, cols in shapes:
+        rng = np.random.default_rng(rows * 31 + cols)
+        a, b = _rand(rng, (rows, cols)), _rand(rng, (rows, cols))
+        what = f"{rows}x{cols} matrix"
+        d_a, d_b = cuda.to_device(a), cuda.to_device(b)
+        flat = cuda.to_device(poisoned(rows * cols + GUARD))
+        d_c = flat[: rows * cols].reshape((rows, cols))
+        try:
+            matrix_add(d_a, d_b, d_c)
+            cuda.synchronize()
+        except Exception as exc:
+            report.fail(f"{what}: {_oob_hint(exc)}")
+            return
+        host = flat.copy_to_host()
+        if (host[rows * cols:] != np.float32(POISON)).any():
+            report.fail(f"{what}: wrote past the end of C: check both row < rows and col < cols")
+            return
+        truth = a.astype(np.float64) + b.astype(np.float64)
+        passed, line = compare(host[: rows * cols].reshape(rows, cols), truth, a + b, what=what)
+        if not passed and "never written" in line:
+            line += ": the grid must cover every row and every column"
+        if not report.expect(passed, line, line):
+            return
+
+    if not world().gpu:
+        report.not_graded(f"{SPEED_SHAPE[0]}x{SPEED_SHAPE[1]} float32 at {SPEED_AT_LEAST:.0%} of a copy's "
+                          "bandwidth: speed needs a GPU (not graded here)")
+        return
+    import torch
+
+    from . import speed_vs_roof
+
+    rows, cols = SPEED_SHAPE
+    ta, tb = (torch.randn(rows, cols, device="cuda") for _ in range(2))
+    tc = torch.empty_like(ta)
+    d_a, d_b, d_c = (cuda.as_cuda_array(t) for t in (ta, tb, tc))
+    matrix_add(d_a, d_b, d_c)
+    cuda.synchronize()
+    if not torch.equal(tc, ta + tb):
+        return report.fail(f"{rows}x{cols}: the result is wrong at this size, so its speed is not graded")
+    speed_vs_roof(report, f"{rows}x{cols} float32 (A + B read, C written: {3 * ta.nbytes / 1e6:.0f} MB)",
+                  lambda: matrix_add(d_a, d_b, d_c), 3 * ta.nbytes, SPEED_AT_LEAST)

@@ -1,11 +1,12 @@
-"""Graders for chapter 02, roofline analysis: FLOPs, bytes, intensity, ridge, bounds (plain numbers).
+"""Graders for chapter 02, roofline analysis: reading measurements (02.1, 02.3, 02.4) and the formulas
+behind them: FLOPs, bytes, ridge, bounds (02.2, 02.5-02.8).
 
-Every exercise is a formula. Each grader calls the learner's function on several inputs, drawn fresh
-on every run (the seed is on every failing line, and ``KC_GRADE_SEED`` draws the same cases again) and
-never zero, compares with the answer at a relative tolerance of 1e-4, and on a mismatch recognises the
-usual mistakes by recomputing them ("you counted the output twice") before falling back to a hint
-about the formula. The first case is drawn so that the usual mistakes all give different numbers
-there, so the hint names the right one.
+The formula exercises take plain numbers. Each grader calls the learner's function on several inputs,
+drawn fresh on every run (the seed is on every failing line, and ``KC_GRADE_SEED`` draws the same cases
+again) and never zero, compares with the answer at a relative tolerance of 1e-4, and on a mismatch
+recognises the usual mistakes by recomputing them ("you counted the output twice") before falling back
+to a hint about the formula. The first case is drawn so that the usual mistakes all give different
+numbers there, so the hint names the right one.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import Report, Stop, as_number, call, exercise, fresh_rng
+from . import Report, Stop, as_number, call, exercise, fresh_rng, guarded
 
 RTOL = 1e-4
 
@@ -57,34 +58,6 @@ def separating(rng, draw, truth, mutants, tries: int = 1000) -> dict:
         if all(not _close(a, b) for i, a in enumerate(values) for b in values[i + 1:]):
             return case
     return case
-
-
-# ---- 02.1 intensity of vector add ----------------------------------------------------------------------
-
-
-@exercise("02.1", "intensity of vector add", names=("vector_add_intensity",), time_limit_s=10)
-def grade_vector_add_intensity(report: Report, vector_add_intensity):
-    rng = np.random.default_rng(201)
-    cases = [{"n": 1 << 20, "itemsize": 4}, {"n": int(rng.integers(1000, 10**6)), "itemsize": 2},
-             {"n": int(rng.integers(10**7, 10**9)), "itemsize": 8}, {"n": 7, "itemsize": 1}]
-
-    def truth(n, itemsize):
-        return n / (3 * n * itemsize)
-
-    def mutants(n, itemsize):
-        return [
-            (n / (2 * n * itemsize), "you counted two arrays: x and y are read and out is written, three arrays"),
-            (n / (4 * n * itemsize), "you counted the output twice: out is written once and never read"),
-            (n / (n * itemsize), "you counted one array: x and y are read and out is written"),
-            (n / (3 * n), "bytes should be in the given dtype: multiply the element count by itemsize"),
-            (n / (3 * n * 4), "bytes should be in the given dtype (itemsize bytes per element), not always 4"),
-            (n / (3 * n * itemsize * 8), "itemsize is already in bytes, not bits"),
-            (3 * n * itemsize / n, "that is bytes per FLOP: intensity is FLOPs divided by bytes"),
-            (2 * n / (3 * n * itemsize), "an add is one FLOP per element (a multiply-add would be two)"),
-        ]
-
-    _grade_number(report, vector_add_intensity, "vector_add_intensity", cases, truth, mutants, "FLOP/B",
-                  "FLOPs (one add per element) divided by the bytes of x, y and out")
 
 
 # ---- 02.2 FLOPs and minimal bytes of a matmul -------------------------------------------------------------
@@ -139,70 +112,6 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
             return
         report.ok(f"{asked} = ({want_flops:.6g} FLOPs, {want_bytes:.6g} bytes): "
                   f"intensity {want_flops / want_bytes:.4g} FLOP/B")
-
-
-# ---- 02.3 intensity of row softmax ----------------------------------------------------------------------
-
-
-@exercise("02.3", "intensity of row softmax", names=("softmax_intensity",), time_limit_s=10)
-def grade_softmax_intensity(report: Report, softmax_intensity):
-    rng = np.random.default_rng(203)
-    # itemsize 4 first: with itemsize 2, dropping itemsize and dropping the output give the same number
-    cases = [{"M": 4096, "N": 4096, "itemsize": 4}, {"M": int(rng.integers(1, 50)), "N": int(rng.integers(100, 9000)),
-                                                     "itemsize": 2},
-             {"M": 1, "N": 3, "itemsize": 2}, {"M": int(rng.integers(10**4, 10**5)), "N": 128, "itemsize": 8}]
-
-    def truth(M, N, itemsize):
-        return 5 * M * N / (2 * M * N * itemsize)
-
-    def mutants(M, N, itemsize):
-        f = 5 * M * N
-        return [
-            (f / (M * N * itemsize), "you left out the output: y (M·N elements) is written to memory"),
-            (f / (3 * M * N * itemsize), "you counted the output twice: y is written once and never read"),
-            (f / (4 * M * N * itemsize), "those are the bytes of a three-pass softmax (max, sum and normalise "
-                                         "each re-read x); the minimum reads x once, with a row kept on-chip"),
-            (f / (2 * M * N), "bytes should be in the given dtype: multiply element counts by itemsize"),
-            (2 * M * N * itemsize / f, "that is bytes per FLOP: intensity is FLOPs divided by bytes"),
-            (M * N / (2 * M * N * itemsize), "count 5 FLOPs per element, as the statement says"),
-            (3 * M * N / (2 * M * N * itemsize), "count 5 FLOPs per element: max, subtract, exp, sum, divide"),
-            (4 * M * N / (2 * M * N * itemsize), "count 5 FLOPs per element: max, subtract, exp, sum, divide"),
-        ]
-
-    _grade_number(report, softmax_intensity, "softmax_intensity", cases, truth, mutants, "FLOP/B",
-                  "5 FLOPs per element, divided by the bytes of reading x once and writing y once")
-
-
-# ---- 02.4 intensity of LayerNorm --------------------------------------------------------------------------
-
-
-@exercise("02.4", "intensity of LayerNorm", names=("layernorm_intensity",), time_limit_s=10)
-def grade_layernorm_intensity(report: Report, layernorm_intensity):
-    rng = np.random.default_rng(204)
-    # small M makes the weight and bias a visible share of the bytes; the first case is chosen so that
-    # each usual mistake gives a different number (with M = 1, several of them coincide)
-    cases = [{"M": 3, "N": int(rng.integers(100, 5000)), "itemsize": 4}, {"M": 1, "N": 4096, "itemsize": 2},
-             {"M": int(rng.integers(1000, 20000)), "N": 768, "itemsize": 2}, {"M": 2, "N": 5, "itemsize": 8}]
-
-    def truth(M, N, itemsize):
-        return 7 * M * N / ((2 * M * N + 2 * N) * itemsize)
-
-    def mutants(M, N, itemsize):
-        f = 7 * M * N
-        return [
-            (f / (2 * M * N * itemsize), "include the weight γ and bias β: N elements each, read once"),
-            (f / ((4 * M * N) * itemsize), "γ and β are read once, not once per row: they stay in cache"),
-            (f / ((M * N + 2 * N) * itemsize), "you left out the output: y (M·N elements) is written to memory"),
-            (f / ((3 * M * N + 2 * N) * itemsize), "you counted the output twice: y is written once, never read"),
-            (f / ((2 * M * N + N) * itemsize), "γ and β are two vectors of N elements each"),
-            (f / (2 * M * N + 2 * N), "bytes should be in the given dtype: multiply element counts by itemsize"),
-            ((2 * M * N + 2 * N) * itemsize / f, "that is bytes per FLOP: intensity is FLOPs divided by bytes"),
-            (f / ((2 * M * N + 2 * N + 2 * M) * itemsize),
-             "the statement asks for inference: the per-row mean and 1/std are not written out"),
-        ]
-
-    _grade_number(report, layernorm_intensity, "layernorm_intensity", cases, truth, mutants, "FLOP/B",
-                  "7 FLOPs per element, divided by the bytes of x and y (M·N each) and of γ and β (N each)")
 
 
 # ---- 02.5 ridge point -----------------------------------------------------------------------------------
@@ -368,3 +277,153 @@ def grade_fraction(report: Report, fraction_of_roofline):
 
     _grade_number(report, fraction_of_roofline, "fraction_of_roofline", cases, truth, mutants, "of the roof",
                   "achieved TFLOP/s (FLOPs / seconds / 10^12) ÷ min(peak, intensity × bandwidth / 1000)")
+
+
+# ---- 02.1, 02.3, 02.4: reading measurements -------------------------------------------------------------
+# The learner reads GPU timings that the course ships (src/kernelcourse/recorded/, measured by the chapter 02
+# lesson on a GPU), so these exercises grade the same way with or without a GPU. The grader computes the true
+# reading from the same rows, and also asks for it under another GPU's datasheet ceilings (a T4's), so that an
+# answer copied from the lesson's table does not pass.
+
+_T4 = (320.0, 65.0)  # the T4 datasheet's bandwidth (GB/s) and fp16 tensor-core peak (TFLOP/s)
+
+
+def _recorded(name: str) -> list[dict]:
+    from ..bench import load
+
+    return [dict(r) for r in load(name).rows]
+
+
+def _recorded_ceilings() -> tuple[float, float]:
+    by = {r["ceiling"]: r["value"] for r in _recorded("02_ceilings")}
+    return float(by["bandwidth"]), float(by["fp16"])
+
+
+def _x_roof(row: dict, bandwidth_gbps: float, peak_tflops: float) -> float:
+    """Achieved over attainable performance: above 1, the point sits above the roof."""
+    achieved = row["flops"] / (row["ms"] * 1e-3) / 1e12
+    return achieved / min(peak_tflops, row["flops"] / row["nbytes"] * bandwidth_gbps / 1e3)
+
+
+def _as_names(report: Report, call: str, got, kind: str) -> list | None:
+    if got is None:
+        report.fail(f"{call} returned None: did you forget `return`?")
+        return None
+    if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
+        report.fail(f"{call} returned {got!r}: return a list of {kind}")
+        return None
+    return list(got)
+
+
+def _grade_selection(report: Report, call: str, got: list, want: list, describe, mistakes) -> bool:
+    """``got`` and ``want`` are lists compared as sets; ``mistakes`` lists (wrong answer, hint) pairs."""
+    if sorted(map(str, got)) == sorted(map(str, want)):
+        report.ok(f"{call} = {describe(want)}")
+        return True
+    hint = next((h for wrong, h in mistakes if sorted(map(str, got)) == sorted(map(str, wrong))
+                 and sorted(map(str, wrong)) != sorted(map(str, want))), None)
+    report.fail(f"{call} returned {describe(got)}, expected {describe(want)}" + (f": {hint}" if hint else ""))
+    return False
+
+
+@exercise("02.1", "which timings are impossible?", names=("impossible_timings",), time_limit_s=20)
+def grade_impossible_timings(report: Report, impossible_timings):
+    rows = _recorded("02_timing")
+    bw, peak = _recorded_ceilings()
+    for label, (b, p) in (("the recorded GPU's ceilings", (bw, peak)), ("a T4's datasheet ceilings", _T4)):
+        call = f"impossible_timings(recorded 02_timing rows, {b:.0f}, {p:.1f})  [{label}]"
+        got = guarded(report, call, impossible_timings, [dict(r) for r in rows], b, p)
+        if report.failures:
+            return
+        got = _as_names(report, call, got, "row indices")
+        if got is None:
+            return
+        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in got):
+            return report.fail(f"{call} returned {got!r}: return the indices (ints) of the rows, not the rows")
+        x = [_x_roof(r, b, p) for r in rows]
+        want = [i for i, v in enumerate(x) if v > 1.1]
+        compute_only = [i for i, r in enumerate(rows)
+                        if r["flops"] / (r["ms"] * 1e-3) / 1e12 > 1.1 * p]
+        memory_only = [i for i, r in enumerate(rows) if r["nbytes"] / (r["ms"] * 1e-3) / 1e9 > 1.1 * b]
+        mistakes = [
+            ([i for i, v in enumerate(x) if v > 1.0], "allow the 10% margin: measured ceilings are not exact "
+                                                      "limits, so flag only points more than 1.1x their roof"),
+            (compute_only, "you compared with the compute peak only: a memory-bound op's roof is intensity × "
+                           "bandwidth, lower than the peak"),
+            (memory_only, "you compared with the bandwidth only: a compute-bound op's roof is the peak"),
+            ([i for i, v in enumerate(x) if v < 1 / 1.1], "inverted: a point is impossible when it is faster "
+                                                          "than the roof allows, above it"),
+        ]
+        def describe(idx):
+            named = [f"{i} ({rows[i]['op']}, {rows[i]['method']})" if isinstance(i, (int, np.integer))
+                     and 0 <= i < len(rows) else repr(i) for i in idx]
+            return "[" + ", ".join(named if len(named) <= 4 else named[:3] + [f"... {len(named)} rows in all"]) + "]"
+        if not _grade_selection(report, call, got, want, describe, mistakes):
+            return
+
+
+@exercise("02.3", "where the L2 cache stops helping", names=("served_from_l2",), time_limit_s=20)
+def grade_served_from_l2(report: Report, served_from_l2):
+    rows = [r for r in _recorded("02_timing") if r.get("part") == "L2"]
+    ops = sorted({r["op"] for r in rows}, key=lambda op: next(r["nbytes"] for r in rows if r["op"] == op))
+    bw, _ = _recorded_ceilings()
+
+    def speedup(op, data):
+        t = {r["method"].split(",")[0]: r["ms"] for r in data if r["op"] == op}
+        return t["do_bench"] / t["hot loop"]
+
+    # the recorded rows, then the same rows with the hot loop of the largest size made 3x faster (as if this
+    # GPU's L2 were larger than its inputs): the reading must follow the data
+    bigger_l2 = [dict(r) for r in rows]
+    for r in bigger_l2:
+        if r["op"] == ops[-1] and r["method"].startswith("hot"):
+            r["ms"] /= 3
+    for label, data in (("recorded", rows), ("with a larger L2", bigger_l2)):
+        call = f"served_from_l2({label} L2 rows, factor=1.5)"
+        got = guarded(report, call, served_from_l2, [dict(r) for r in data], 1.5)
+        if report.failures:
+            return
+        got = _as_names(report, call, got, "op names (the rows' 'op')")
+        if got is None:
+            return
+        want = [op for op in ops if speedup(op, data) >= 1.5]
+        mistakes = [
+            ([op for op in ops if 1 / speedup(op, data) >= 1.5], "inverted: the speed-up is the flushed time "
+                                                                 "divided by the hot time"),
+            ([op for op in ops if any(r["op"] == op and r["method"].startswith("hot")
+                                      and r["nbytes"] / (r["ms"] * 1e-3) / 1e9 > bw for r in data)],
+             "you compared the hot loop with the HBM bandwidth; the question compares the two timings of each size"),
+            (ops, "compare each size's hot and flushed times: only some sizes get the factor"),
+        ]
+        describe = lambda names: "[" + ", ".join(f"{n} ({speedup(n, data):.2f}x)" if n in ops else repr(n)
+                                                 for n in names) + "]"
+        if not _grade_selection(report, call, got, want, describe, mistakes):
+            return
+
+
+@exercise("02.4", "which ops are far below their roof?", names=("below_half_roof",), time_limit_s=20)
+def grade_below_half_roof(report: Report, below_half_roof):
+    rows = _recorded("02_ops")
+    bw, peak = _recorded_ceilings()
+    for label, (b, p) in (("the recorded GPU's ceilings", (bw, peak)), ("a T4's datasheet ceilings", _T4)):
+        call = f"below_half_roof(recorded 02_ops rows, {b:.0f}, {p:.1f})  [{label}]"
+        got = guarded(report, call, below_half_roof, [dict(r) for r in rows], b, p)
+        if report.failures:
+            return
+        got = _as_names(report, call, got, "op names")
+        if got is None:
+            return
+        x = {r["op"]: _x_roof(r, b, p) for r in rows}
+        want = [op for op, v in x.items() if v < 0.5]
+        tflops = {r["op"]: r["flops"] / (r["ms"] * 1e-3) / 1e12 for r in rows}
+        gbps = {r["op"]: r["nbytes"] / (r["ms"] * 1e-3) / 1e9 for r in rows}
+        mistakes = [
+            ([op for op, t in tflops.items() if t < 0.5 * p], "you compared with the compute peak only: a "
+                                                              "memory-bound op's roof is intensity × bandwidth"),
+            ([op for op, g in gbps.items() if g < 0.5 * b], "you compared with the bandwidth only: a "
+                                                            "compute-bound op's roof is the peak"),
+            ([op for op, v in x.items() if v > 0.5], "inverted: keep the ops that reach less than half their roof"),
+        ]
+        describe = lambda names: "[" + ", ".join(f"{n} ({x[n]:.0%})" if n in x else repr(n) for n in names) + "]"
+        if not _grade_selection(report, call, got, want, describe, mistakes):
+            return

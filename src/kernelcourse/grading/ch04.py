@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import POISON, Report, compare, exercise
+from ..world import world
+from . import POISON, Report, compare, exercise, explain
 
 # The Triton grading harness (``harness``), re-exported here for the graders that import it from ch04.
 from .harness import (  # noqa: F401
@@ -288,3 +289,68 @@ def grade_rms_norm(report: Report, rms_norm_kernel):
             "the load, so that NaN from past the row cannot get in"))
         if not report.expect(passed, line, line):
             return
+
+
+# ---- 04.5 RMSNorm on many short rows (graded on speed on a GPU) ------------------------------------
+
+SHORT_ROWS_SHAPE = (1 << 20, 128)  # fp16: one RMSNorm per attention head of every token (QK-norm)
+SHORT_ROWS_AT_LEAST = 0.6          # of a device-to-device copy of as many bytes, timed in the same run
+
+
+@exercise("04.5", "RMSNorm on many short rows", names=("rms_norm_rows",))
+def grade_rms_norm_rows(report: Report, rms_norm_rows):
+    import torch
+
+    if not callable(rms_norm_rows) or hasattr(rms_norm_rows, "__getitem__"):
+        return report.fail("rms_norm_rows should be a plain Python function that launches your kernel and "
+                           "returns y, not the kernel itself")
+    eps = 1e-5
+    dev = "cuda" if world().gpu else "cpu"
+    cases = sizes([(1, 1, "fp32"), (37, 128, "fp32"), (130, 64, "fp16"), (19, 100, "fp16"), (5, 700, "fp32")],
+                  [(100_003, 128, "fp16"), (4099, 96, "fp32")])
+    for rows, cols, dtype in cases:
+        rng = np.random.default_rng(rows * 13 + cols)
+        data = rand(rng, (rows, cols))
+        data[0] *= 2e-3  # tiny values: eps matters here
+        x = torch.from_numpy(data).to(torch_dtype(dtype)).to(dev)
+        w = torch.from_numpy(rng.uniform(0.5, 2.0, cols) * rng.choice([-1.0, 1.0], cols)).to(x.dtype).to(dev)
+        what = f"{rows}x{cols} {dtype}"
+        try:
+            y = rms_norm_rows(x, w, eps)
+            if world().gpu:
+                torch.cuda.synchronize()
+        except Exception as exc:
+            return report.fail(f"{what}: {explain(exc)}")
+        if not isinstance(y, torch.Tensor):
+            return report.fail(f"{what}: rms_norm_rows returned {type(y).__name__}, not the tensor y")
+        xs, ws = exact(x), exact(w)
+        truth = rms_norm64(xs, ws, eps)
+        xr = x.float()
+        reference = host((xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype))
+        got = host(y)
+        passed, line = compare_rows(got, truth, reference, what)
+        if not passed and got.shape == truth.shape:
+            done = np.isclose(got.astype(np.float64), truth, rtol=1e-2, atol=1e-3).all(axis=1)
+            if done.any() and not done.all():
+                first = int(np.flatnonzero(~done)[0])
+                line += (f" (rows from {first} on are wrong: with several rows per program, the grid needs "
+                         "cdiv(n_rows, ROWS) programs and the last program's rows past n_rows must be masked)")
+        if not report.expect(passed, line, line):
+            return
+
+    rows, cols = SHORT_ROWS_SHAPE
+    what = f"{rows}x{cols} fp16 (x read, y written: {2 * rows * cols * 2 / 1e6:.0f} MB)"
+    if not world().gpu:
+        report.not_graded(f"{what} at {SHORT_ROWS_AT_LEAST:.0%} of a copy's bandwidth: speed needs a GPU "
+                          "(not graded here)")
+        return
+    from . import speed_vs_roof
+
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.float16)
+    w = torch.rand(cols, device="cuda", dtype=torch.float16) + 0.5
+    y = rms_norm_rows(x, w, eps)
+    xr = x.float()
+    want = (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.float()).half()
+    if not torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2):
+        return report.fail(f"{what}: the result is wrong at this size, so its speed is not graded")
+    speed_vs_roof(report, what, lambda: rms_norm_rows(x, w, eps), 2 * x.nbytes + w.nbytes, SHORT_ROWS_AT_LEAST)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, call, compare, exercise
+from . import POISON, Report, call, compare, exercise, explain
 from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
                    nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance)
 
@@ -218,3 +218,92 @@ def grade_epilogue(report: Report, linear_leaky_relu_kernel):
                 line += f": {hint}"
         if not report.expect(passed, line, line):
             return
+
+
+# ---- 05.4 tiles for your GPU (graded on speed on a GPU) ---------------------------------------------
+
+SPEED_MNK = 4096                # fp16, square: compute-bound on any GPU with tensor cores
+SPEED_VS_CUBLAS = 0.5           # of torch.matmul (cuBLAS) timed in the same run
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def _config_problem(config) -> str | None:
+    if not isinstance(config, dict):
+        return f"matmul_config is {type(config).__name__}: make it a dict with keys {', '.join(_CONFIG_KEYS)}"
+    missing = [k for k in _CONFIG_KEYS if k not in config]
+    if missing:
+        return f"matmul_config has no {', '.join(missing)}: it needs {', '.join(_CONFIG_KEYS)}"
+    extra = [k for k in config if k not in _CONFIG_KEYS]
+    if extra:
+        return f"matmul_config has keys the kernel does not take: {', '.join(map(str, extra))}"
+    for k in _CONFIG_KEYS:
+        v = config[k]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return f"matmul_config[{k!r}] is {v!r}: a positive whole number"
+    for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        if config[k] < 16 or config[k] & (config[k] - 1):
+            return f"matmul_config[{k!r}] is {config[k]}: tl.dot needs a power of two, at least 16"
+    if config["num_warps"] & (config["num_warps"] - 1) or config["num_warps"] > 16:
+        return f"matmul_config['num_warps'] is {config['num_warps']}: a power of two, at most 16"
+    return None
+
+
+@exercise("05.4", "tiles for your GPU", names=("matmul_kernel", "matmul_config"))
+def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
+    import torch
+
+    if (msg := not_a_kernel(matmul_kernel, "matmul_kernel")):
+        return report.fail(msg)
+    if (msg := _config_problem(matmul_config)):
+        return report.fail(msg)
+    cfg = dict(matmul_config)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    shape_text = f"BLOCK_M/N/K = {bm}/{bn}/{bk}, {cfg['num_warps']} warps, {cfg['num_stages']} stages"
+
+    def run(a, b, c):
+        M, K = a.shape
+        N = b.shape[1]
+        grid = (-(-M // bm), -(-N // bn))
+        matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                            c.stride(0), c.stride(1), **meta)
+
+    # the config must give right answers, tails included, before its speed counts
+    for M, N, K in sizes([(bm + 3, bn - 5, 2 * bk + 7)], [(1000, 1003, 517)]):
+        rng = np.random.default_rng(M + N + K)
+        a, b = _operands(rng, M, N, K, bm, bn, bk, "fp16", False)
+        c_full, c = framed(np.full((M, N), POISON), "fp16", POISON, pad_rows=bm, pad_cols=bn + 3)
+        what = f"({M}x{K}) @ ({K}x{N}) fp16 with {shape_text}"
+        try:
+            run(a, b, c)
+            if world().gpu:
+                torch.cuda.synchronize()
+        except Exception as exc:
+            text = str(exc)
+            hint = ("this config needs more shared memory than this GPU has: smaller tiles or fewer stages"
+                    if "shared memory" in text.lower() or "OutOfResources" in type(exc).__name__ else None)
+            return report.fail(f"{what}: {hint or explain(exc)}")
+        if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
+            return report.fail(f"{what}: wrote outside C (is matmul_kernel the one from exercise 05.2, masks and all?)")
+        got = host(c)
+        passed, line = compare(got, exact(a) @ exact(b), matmul_reference(a, b), what=what,
+                               rtol_floor=rounding_floor(got.dtype))
+        if not report.expect(passed, line, line + " (matmul_kernel is exercise 05.2's: pass its grader first)"):
+            return
+
+    n = SPEED_MNK
+    what = f"{n}x{n}x{n} fp16 with {shape_text}"
+    if not world().gpu:
+        report.not_graded(f"{what} at {SPEED_VS_CUBLAS:g}x cuBLAS: speed needs a GPU (not graded here)")
+        return
+    from . import speed_vs_peer
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    c = torch.empty_like(a)
+    run(a, b, c)
+    torch.cuda.synchronize()
+    if not torch.allclose(c.float(), (a.float() @ b.float()), rtol=2e-2, atol=0.5):
+        return report.fail(f"{what}: the result is wrong at this size, so its speed is not graded")
+    speed_vs_peer(report, what, lambda: run(a, b, c), lambda: torch.matmul(a, b, out=c), "cuBLAS (torch.matmul)",
+                  SPEED_VS_CUBLAS)

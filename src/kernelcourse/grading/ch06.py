@@ -16,7 +16,7 @@ import numpy as np
 
 from ..world import world
 from . import POISON, Report, call, compare, exercise, guarded, tolerance_of
-from .harness import diagnose, framed, launch, not_a_kernel, rand, reproduces, to_numpy, to_numpy
+from .harness import diagnose, framed, launch, not_a_kernel, rand, reproduces, to_numpy
 
 _np = to_numpy
 
@@ -578,8 +578,10 @@ def causal_tile_truth(q0: int, k0: int, block_m: int, block_n: int) -> str:
 
 
 def key_range_truth(start_m: int, block_m: int, block_n: int, n_k: int) -> tuple[int, int]:
-    q0 = start_m * block_m
-    return min((q0 + 1) // block_n * block_n, (n_k // block_n) * block_n), min(q0 + block_m, n_k)
+    """(n_full, n_end) of query tile start_m: the chapter's kernels compute it with this same helper."""
+    from ..attention import causal_key_range
+
+    return causal_key_range.fn(start_m * block_m, n_k, block_m, block_n)
 
 
 def _tile_cases(rng):
@@ -766,3 +768,174 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                          np.exp(s - s.max(axis=1, keepdims=True)))]
             return _fail(report, line, diagnose(got, mistakes, truth=truth))
         report.ok(line)
+
+
+# ---- 06.7 the causal part of the kernel, in Triton ------------------------------------------------
+
+
+def _causal_inputs(heads, n_q, n_k, d, bm, bn, dtype, logit_scale, seed):
+    """q, k, v on the device framed by NaN (so a load past the end shows), o framed by poison."""
+    rng = np.random.default_rng(6700 + seed)
+    qkv = [_attention_inputs(rng, n_q, n_k, d, logit_scale) for _ in range(heads)]
+    _, tq = framed(np.stack([x[0] for x in qkv]), dtype, NAN, pad_rows=bm)
+    _, tk = framed(np.stack([x[1] for x in qkv]), dtype, NAN, pad_rows=bn)
+    _, tv = framed(np.stack([x[2] for x in qkv]), dtype, NAN, pad_rows=bn)
+    _, to = framed(np.zeros((heads, n_q, d)), dtype, NAN, pad_rows=bm)
+    to.fill_(POISON if dtype == "fp32" else HALF_POISON)
+    return tq, tk, tv, to
+
+
+def _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn, **meta) -> bool:
+    heads, n_q, d = tq.shape
+    scale = 1.0 / math.sqrt(d)
+    return launch(report, what, kernel, (-(-n_q // bm), heads), tq, tk, tv, to, scale * LOG2E,
+                  tq.stride(0), tk.stride(0), n_q, tk.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, **meta)
+
+
+def _grade_causal_case(report: Report, kernel, case) -> bool:
+    """Launch the learner's causal kernel on one case and compare with float64; record one line."""
+    import torch
+
+    heads, n_q, n_k, d, bm, bn, dtype, ls, seed = case
+    tq, tk, tv, to = _causal_inputs(*case)
+    what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, BLOCK_N={bn}, "
+            f"{dtype}{', large logits' if ls > 10 else ''}")
+    if not _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn):
+        return False
+    poison = np.float32(POISON if dtype == "fp32" else HALF_POISON)
+    got = _np(to.float() if dtype != "fp32" else to)
+    qs, ks, vs = (_np(t.float()).astype(np.float64) for t in (tq, tk, tv))
+    scale = 1.0 / math.sqrt(d)
+    truth = np.stack([attention64(qs[h], ks[h], vs[h], scale, causal=True)[0] for h in range(heads)])
+    keep = np.tril(np.ones((n_q, n_k), dtype=bool))
+    ref = _np((torch.softmax((tq @ tk.transpose(-2, -1) * scale).masked_fill(
+        ~torch.from_numpy(keep).to(tq.device), float("-inf")), dim=-1) @ tv).float()).astype(np.float64)
+    if (got == poison).all():
+        report.fail(f"{what}: no output was written: is the causal part still a stub?")
+        return False
+    if np.isnan(got).all():
+        report.fail(f"{what}: every output is NaN: o = acc / l_i is 0 / 0 when no key tile is folded into the state "
+                    "(is the causal part still a stub?)")
+        return False
+    eps = float(np.finfo(np.float32 if dtype == "fp32" else np.float16).eps)
+    ok, line = compare(got, truth, ref, what=what, rtol_floor=(256 if dtype == "fp32" else 4) * eps)
+    if ok:
+        report.ok(line)
+        return True
+    rows, cols = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+
+    def masked(keep_mask):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.stack([attention64(qs[h], ks[h], vs[h], scale, keep=keep_mask)[0] for h in range(heads)])
+
+    q_tiles = rows // bm * bm                                   # the first query of each row's tile
+    from ..attention import causal_key_range
+
+    n_full_of_row = np.array([causal_key_range.fn(int(q0), n_k, bm, bn)[0] for q0 in q_tiles[:, 0]])[:, None]
+    n_end_of_row = np.minimum(q_tiles + bm, n_k)
+    loaded = n_full_of_row + -(-(n_end_of_row - n_full_of_row) // bn) * bn   # the masked tiles end on a tile boundary
+    bottom_right = ("the mask is top-left, as SDPA's is_causal: query i sees keys j <= i, not j <= i + N_K - N_Q "
+                    "(bottom-right, the KV-cache convention)" if n_q != n_k else None)
+    mistakes = [
+        (bottom_right, masked((cols < n_full_of_row) | ((cols < loaded) & (cols <= rows + n_k - n_q)))),
+        ("the tiles that cross the diagonal need the causal mask too: keep = keys[None, :] <= offs_m[:, None]",
+         masked(np.broadcast_to(cols < loaded, (n_q, n_k)))),
+        ("query i sees key i itself: the mask is keys <= offs_m (j <= i), not j < i", masked(cols < rows)),
+        (bottom_right, masked(cols <= rows + n_k - n_q)),
+        ("every query of the tile must see the keys up to itself: the masked tiles run up to "
+         "min(q0 + BLOCK_M, N_K), not to q0", masked((cols <= rows) & (cols < np.maximum(q_tiles, 1)))),
+        ("after the whole tiles, loop over the masked ones, from n_full to n_end = min(q0 + BLOCK_M, N_K): "
+         "the tiles that cross the diagonal were not computed", masked(cols < n_full_of_row)),
+    ]
+    hint = diagnose(got, [(h, w) for h, w in mistakes if h is not None], truth=truth)
+    if hint is None and not np.isfinite(got).all() and n_k % bn:
+        hint = ("load the masked tiles' k and v with mask=keys[:, None] < N_K and other=0.0 and drop keys past N_K "
+                "from the softmax: past N_K lies memory that is not this head's (here NaN)")
+    elif hint is None and not np.isfinite(got).all():
+        hint = ("a row whose scores are all -inf gives NaN: every query sees key 0, so the first tile must always "
+                "be computed, and masked scores are -inf only where j > i")
+    _fail(report, line, hint)
+    return False
+
+
+def _causal_cases(gpu: bool) -> list[tuple]:
+    """(heads, N_Q, N_K, d, BLOCK_M, BLOCK_N, dtype, logit scale, seed) for the causal kernel."""
+    cases = [(2, 64, 64, 16, 16, 16, "fp32", 1.0, 0),      # whole tiles
+             (2, 45, 45, 32, 16, 16, "fp32", 1.0, 1),      # partial tiles
+             (1, 40, 77, 16, 16, 32, "fp32", 30.0, 2),     # N_Q < N_K, BLOCK_N > BLOCK_M
+             (1, 77, 40, 16, 32, 16, "fp32", 30.0, 3),     # N_Q > N_K: rows past N_K see every key
+             (1, 48, 48, 32, 16, 16, "fp32", 300.0, 4),    # scores of ±1000
+             (2, 50, 50, 16, 32, 32, "fp16", 1.0, 5)]
+    if gpu:  # tl.dot on float32 is TF32 on a GPU: half precision there, and larger sizes
+        cases = [(h, nq, nk, d, bm, bn, "fp16", ls, s) for h, nq, nk, d, bm, bn, _, ls, s in cases]
+        cases += [(4, 1000, 1000, 64, 64, 64, "fp16", 30.0, 6), (2, 300, 1000, 128, 64, 32, "fp16", 1.0, 7),
+                  (2, 1000, 300, 64, 128, 64, "fp16", 1.0, 8)]
+    return cases
+
+
+@exercise("06.7", "the causal part of the kernel, in Triton", names=("causal_attention_kernel",), time_limit_s=180)
+def grade_causal_kernel(report: Report, causal_attention_kernel):
+    if (msg := not_a_kernel(causal_attention_kernel, "causal_attention_kernel")):
+        return report.fail(msg)
+    for case in _causal_cases(world().gpu):
+        if not _grade_causal_case(report, causal_attention_kernel, case):
+            return
+
+
+# ---- 06.8 the causal kernel, graded on speed -------------------------------------------------------
+
+# The speed check: (heads, N, d) in float16, tiles and launch options given to both kernels. On a GPU,
+# the learner's kernel must run at least SPEEDUP_VS_V1 times as fast as the chapter's version 1, which
+# computes every key tile and masks each of them, on the same tiles. Skipping the tiles above the
+# diagonal halves the work (at N = 4096 with 64 x 64 tiles, 2,080 of 4,096 tiles are computed), and
+# leaving the mask off the tiles below it saves more; a kernel that computes every tile gets about 1x.
+SPEED_SHAPE = (16, 4096, 64)
+SPEED_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}   # fits a T4's 64 KB
+SPEEDUP_VS_V1 = 1.3
+
+
+@exercise("06.8", "the causal kernel, graded on speed", names=("causal_attention_kernel",), time_limit_s=240)
+def grade_causal_speed(report: Report, causal_attention_kernel):
+    import torch
+
+    from ..attention import flash_attention_v1_kernel
+    from . import speed_vs_peer
+
+    if (msg := not_a_kernel(causal_attention_kernel, "causal_attention_kernel")):
+        return report.fail(msg)
+    gpu = world().gpu
+    # correct first, on one case (a wrong kernel can be fast)
+    if not _grade_causal_case(report, causal_attention_kernel, _causal_cases(gpu)[1 if not gpu else -3]):
+        return
+    if not gpu:
+        return speed_vs_peer(report, "the causal kernel", None, None, "the chapter's version 1", SPEEDUP_VS_V1)
+    heads, n, d = SPEED_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(68)
+    q, k, v = (torch.randn(heads, n, d, device="cuda", generator=g, dtype=torch.float16) for _ in range(3))
+    o, o1 = torch.empty_like(q), torch.empty_like(q)
+    lse = torch.empty(heads, n, device="cuda", dtype=torch.float32)
+    scale = 1.0 / math.sqrt(d)
+    meta = dict(HEAD_DIM=d, **SPEED_TILES)
+    grid = (n // SPEED_TILES["BLOCK_M"], heads)
+
+    def learner():
+        causal_attention_kernel[grid](q, k, v, o, scale * LOG2E, q.stride(0), k.stride(0), n, n, **meta)
+
+    def version_1():  # the chapter's v1 kernel: every key tile computed, every tile masked
+        flash_attention_v1_kernel[grid](q, k, v, o1, lse, scale, n, n, CAUSAL=True, **meta)
+
+    try:
+        learner()
+        version_1()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - the learner's kernel at the timed size
+        return report.fail(f"the causal kernel at (heads, N, d) = {SPEED_SHAPE}: {type(exc).__name__}: {exc}"[:300])
+    err = (o.float() - o1.float()).abs().max().item()
+    if not err < 2e-2:
+        return report.fail(f"the causal kernel at (heads, N, d) = {SPEED_SHAPE}: differs from version 1 by {err:.3g}")
+    ok = speed_vs_peer(report, f"the causal kernel at (heads, N, d) = {SPEED_SHAPE}, fp16", learner, version_1,
+                       "the chapter's version 1 (every tile computed and masked)", SPEEDUP_VS_V1)
+    if ok is False:
+        report.fail("skip the key tiles past min(q0 + BLOCK_M, N_K), which no query of the tile sees, and leave the "
+                    "mask off the whole tiles below the diagonal: a kernel that computes every tile runs at about "
+                    "the speed of version 1")

@@ -1,0 +1,172 @@
+"""kernelcourse.attention_backward (chapter 07): the backward references agree with autograd, the
+Triton kernels and the differentiable ``attention`` agree with a float64 truth (in Triton's
+interpreter on the CPU, at small sizes), and bad input raises a ValueError that says what is wrong."""
+import math
+
+import pytest
+import torch
+
+import kernelcourse as kc
+from kernelcourse import attention as A
+from kernelcourse import attention_backward as AB
+
+
+def qkv_do(B, H, n_q, n_k, d, dtype=torch.float32, logit_scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, n_q, d, generator=g) * math.sqrt(logit_scale)
+    k = torch.randn(B, H, n_k, d, generator=g) * math.sqrt(logit_scale)
+    v = torch.randn(B, H, n_k, d, generator=g)
+    do = torch.randn(B, H, n_q, d, generator=g)
+    return tuple(t.to(kc.world().device, dtype) for t in (q, k, v, do))
+
+
+def autograd64(q, k, v, do, causal=False, sm_scale=None):
+    """The gradients autograd finds through the float64 reference: the truth."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    A.attention_ref(q, k, v, causal=causal, sm_scale=sm_scale).backward(do.double())
+    return q.grad, k.grad, v.grad
+
+
+def torch_error(q, k, v, do, truth, causal=False):
+    """PyTorch's own error at the inputs' precision: autograd through the reference computed in that dtype."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    A.attention_ref(q, k, v, causal=causal, compute_dtype=q.dtype).backward(do)
+    return [(t.grad.double() - g).abs().max().item() for t, g in zip((q, k, v), truth)]
+
+
+def assert_close_to(got, truth, tols, what):
+    for name, g, t, tol in zip(("dq", "dk", "dv"), got, truth, tols):
+        err = (g.double() - t).abs().max().item()
+        assert torch.isfinite(g).all(), f"{what}: {name} has NaN or Inf"
+        assert err <= tol, f"{what}: {name} max error {err:.3g} > {tol:.3g}"
+
+
+# ---- the references ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_q, n_k", [(33, 33), (20, 47), (47, 20), (1, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_formulas_match_autograd(n_q, n_k, causal):
+    q, k, v, do = qkv_do(2, 2, n_q, n_k, 16, dtype=torch.float64, logit_scale=30.0)
+    got = AB.attention_backward_ref(q, k, v, do, causal=causal, sm_scale=0.3)
+    truth = autograd64(q, k, v, do, causal=causal, sm_scale=0.3)
+    assert_close_to(got, truth, [1e-10] * 3, "formulas")
+
+
+@pytest.mark.parametrize("n_q, n_k, bm, bn", [(50, 50, 16, 16), (37, 70, 16, 32), (70, 37, 32, 8), (1, 9, 4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_reference_matches_and_never_holds_n_by_n(n_q, n_k, bm, bn, causal):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    q, k, v, do = qkv_do(1, 2, n_q, n_k, 16, logit_scale=300.0 if not causal else 1.0)
+    o, lse = A.attention_ref(q, k, v, causal=causal, return_lse=True)
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.shape[-2] * t.shape[-1] if t.ndim >= 2 else t.numel())
+            return out
+
+    with Largest():
+        got = AB.tiled_attention_backward_ref(q, k, v, o, lse, do, causal=causal, block_m=bm, block_n=bn)
+    truth = autograd64(q, k, v, do, causal=causal)
+    scale = max(t.abs().max().item() for t in truth)
+    assert_close_to(got, truth, [1e-4 * scale] * 3, "tiled")
+    if n_q * n_k > max(n_q, n_k) * 16:
+        assert Largest.largest < n_q * n_k, "the tiled backward made an N_Q x N_K tensor"
+
+
+def test_backward_flops_are_two_and_a_half_forwards():
+    assert AB.attention_backward_flops(2, 3, 100, 200, 64) == 2.5 * A.attention_flops(2, 3, 100, 200, 64)
+    assert AB.attention_backward_flops(1, 1, 64, 64, 64, causal=True) == 2.5 * 4 * 64**3 / 2
+
+
+# ---- the Triton kernels, through the autograd Function ------------------------------------------
+
+# (B, H, N_Q, N_K, d, causal, logit scale): ragged sizes (not multiples of the 16-wide tiles),
+# N_Q < N_K and N_Q > N_K under the causal mask, scores of about ±1000, one query.
+CASES = [(1, 2, 37, 37, 16, False, 1.0), (1, 2, 37, 37, 16, True, 1.0), (1, 1, 20, 45, 32, True, 1.0),
+         (1, 1, 45, 20, 32, True, 1.0), (2, 1, 33, 50, 16, False, 300.0), (1, 1, 40, 40, 16, True, 300.0),
+         (1, 1, 1, 23, 16, False, 1.0), (1, 1, 64, 64, 64, False, 1.0)]
+
+
+@pytest.mark.parametrize("B, H, n_q, n_k, d, causal, ls", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_gradients_against_float64(B, H, n_q, n_k, d, causal, ls, dtype):
+    if dtype == torch.float32 and kc.world().gpu:
+        pytest.skip("tl.dot rounds float32 to TF32 on a GPU: the half-precision cases grade it there")
+    q, k, v, do = qkv_do(B, H, n_q, n_k, d, dtype=dtype, logit_scale=ls, seed=n_q + n_k)
+    truth = autograd64(q, k, v, do, causal=causal)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = A.attention(*leaves, causal=causal)
+    o.backward(do)
+    got = [t.grad for t in leaves]
+    assert all(g.dtype == dtype for g in got)
+    eps = torch.finfo(dtype).eps
+    # A floor of 64 rounding steps of the largest gradient. In float32 the inputs are exact, and what is
+    # left is the rounding of the exponent s - lse, which the backward recomputes: about eps · max|s|
+    # (≈ 1e-4 for scores of ±1000), a relative error of P that PyTorch, reusing its own P, does not make.
+    s_max = (q.double() @ k.double().transpose(-2, -1)).abs().max().item() / math.sqrt(d)
+    rel = 64 * eps if dtype != torch.float32 else 4 * eps * max(16.0, s_max)
+    tols = [2 * e + rel * t.abs().max().item() for e, t in zip(torch_error(q, k, v, do, truth, causal), truth)]
+    assert_close_to(got, truth, tols, f"{(B, H, n_q, n_k, d)} causal={causal} {dtype}")
+
+
+def test_backward_kernels_match_the_tiled_reference_with_other_tiles():
+    q, k, v, do = qkv_do(1, 2, 45, 39, 32, logit_scale=30.0, seed=3)
+    o, lse = A.flash_attention(q, k, v, causal=True)
+    got = AB.flash_attention_backward(q, k, v, o, lse, do, causal=True, sm_scale=None,
+                                      dkdv_config={"BLOCK_M": 32, "BLOCK_N": 16}, dq_config={"BLOCK_M": 16, "BLOCK_N": 32})
+    ref = AB.tiled_attention_backward_ref(q, k, v, o, lse, do, causal=True)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_sm_scale_and_noncontiguous_inputs():
+    q, k, v, do = qkv_do(1, 2, 30, 30, 16, seed=5)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)          # same values, (B, N, H, d) memory
+    leaves = [t.clone().requires_grad_() for t in (qt, k, v)]
+    A.attention(*leaves, causal=False, sm_scale=0.5).backward(do)
+    truth = autograd64(q, k, v, do, sm_scale=0.5)
+    assert_close_to([t.grad for t in leaves], truth, [1e-4 * t.abs().max().item() for t in truth], "sm_scale")
+
+
+def test_saves_no_n_by_n_tensor():
+    q, k, v, do = qkv_do(1, 1, 48, 40, 16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = A.attention(*leaves, causal=True)
+    saved = o.grad_fn.saved_tensors
+    assert len(saved) == 5
+    assert all(t.numel() <= 48 * 16 + 40 * 16 for t in saved), [tuple(t.shape) for t in saved]
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda q, k, v: (q[0], k, v), "4-dimensional"),
+    (lambda q, k, v: (q, k.half(), v), "share one dtype"),
+    (lambda q, k, v: (q.long(), k.long(), v.long()), "dtype torch.int64"),
+    (lambda q, k, v: (q.double(), k.double(), v.double()), "float16, bfloat16 or float32"),
+    (lambda q, k, v: (q, k, v[:, :, :-1]), "same shape"),
+    (lambda q, k, v: (q, k[:, :1], v[:, :1]), "H=2"),
+    (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), "head dim d=12"),
+    (lambda q, k, v: (q, k[..., :8], v[..., :8]), "d=16"),
+    (lambda q, k, v: (q.numpy(), k, v), "torch.Tensor"),
+    (lambda q, k, v: (q[:, :, :0], k, v), "empty"),
+])
+def test_bad_input_raises_value_error(make, words):
+    q, k, v, _ = qkv_do(1, 2, 8, 8, 16)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        A.attention(*make(q, k, v))
+
+
+def test_bad_sm_scale_raises():
+    q, k, v, _ = qkv_do(1, 1, 8, 8, 16)
+    with pytest.raises(ValueError, match="sm_scale"):
+        A.attention(q, k, v, sm_scale=float("nan"))

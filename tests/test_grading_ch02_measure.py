@@ -1,0 +1,127 @@
+"""Chapter 02's measurement exercises (02.1, 02.3, 02.4): the learner reads GPU timings that ship with the
+course. Correct readings pass, other correct ways of writing them pass, typical wrong readings are rejected
+with a hint, and an answer copied from the recorded GPU's table fails under the T4's ceilings."""
+import pytest
+
+from tests.helpers import grade
+
+
+def _x_roof(r, bw, peak):
+    return r["flops"] / (r["ms"] * 1e-3) / 1e12 / min(peak, r["flops"] / r["nbytes"] * bw / 1e3)
+
+
+# ---- 02.1 which timings are impossible ----------------------------------------------------------------
+
+
+def impossible_timings(rows, bandwidth_gbps, peak_tflops):
+    return [i for i, r in enumerate(rows) if _x_roof(r, bandwidth_gbps, peak_tflops) > 1.1]
+
+
+def impossible_timings_seconds(rows, bandwidth_gbps, peak_tflops):
+    # the same test in seconds: time below the lower bound / 1.1
+    out = []
+    for i, r in enumerate(rows):
+        t_min = max(r["flops"] / (peak_tflops * 1e12), r["nbytes"] / (bandwidth_gbps * 1e9))
+        if r["ms"] * 1e-3 * 1.1 < t_min:
+            out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("fn", [impossible_timings, impossible_timings_seconds])
+def test_02_1_accepts_correct(fn):
+    passed, text = grade("02.1", impossible_timings=fn)
+    assert passed, text
+    assert "no synchronize" in text  # the no-synchronize matmul is the textbook impossible point
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda rows, bw, peak: [i for i, r in enumerate(rows) if _x_roof(r, bw, peak) > 1.0], "10% margin"),
+    (lambda rows, bw, peak: [i for i, r in enumerate(rows) if r["flops"] / (r["ms"] * 1e-3) / 1e12 > 1.1 * peak],
+     "compute peak only"),
+    (lambda rows, bw, peak: [i for i, r in enumerate(rows) if r["nbytes"] / (r["ms"] * 1e-3) / 1e9 > 1.1 * bw],
+     "bandwidth only"),
+    (lambda rows, bw, peak: [0, 8], "a T4's datasheet ceilings"),  # the recorded answer, hard-coded
+    (lambda rows, bw, peak: [r for i, r in enumerate(rows) if _x_roof(r, bw, peak) > 1.1], "indices"),
+    (lambda rows, bw, peak: None, "forget `return`"),
+])
+def test_02_1_rejects_wrong(fn, hint):
+    passed, text = grade("02.1", impossible_timings=fn)
+    assert not passed
+    assert hint in text, text
+
+
+def test_02_1_missing_name_is_explained():
+    passed, text = grade("02.1")
+    assert not passed and "impossible_timings not defined" in text
+
+
+# ---- 02.3 where the L2 cache stops helping -------------------------------------------------------------
+
+
+def served_from_l2(rows, factor=1.5):
+    hot = {r["op"]: r["ms"] for r in rows if r["method"].startswith("hot")}
+    flushed = {r["op"]: r["ms"] for r in rows if r["method"].startswith("do_bench")}
+    return [op for op in hot if flushed[op] / hot[op] >= factor]
+
+
+def served_from_l2_bandwidth(rows, factor=1.5):
+    # the same reading through GB/s: the hot loop's bandwidth is factor x the flushed one's
+    gbps = {}
+    for r in rows:
+        gbps.setdefault(r["op"], {})[r["method"].split(",")[0]] = r["nbytes"] / r["ms"]
+    return {op for op, g in gbps.items() if g["hot loop"] >= factor * g["do_bench"]}
+
+
+@pytest.mark.parametrize("fn", [served_from_l2, served_from_l2_bandwidth])
+def test_02_3_accepts_correct(fn):
+    passed, text = grade("02.3", served_from_l2=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda rows, factor=1.5: [op for op in {r["op"] for r in rows}
+                               if min(r["ms"] for r in rows if r["op"] == op and r["method"].startswith("do"))
+                               / min(r["ms"] for r in rows if r["op"] == op and r["method"].startswith("hot"))
+                               <= 1 / factor], "inverted"),
+    (lambda rows, factor=1.5: sorted({r["op"] for r in rows}), "only some sizes"),
+    (lambda rows, factor=1.5: ["add, 3 x 2 MiB", "add, 3 x 8 MiB"], "expected"),  # hard-coded: the second case differs
+    (lambda rows, factor=1.5: "add, 3 x 2 MiB", "return a list"),
+])
+def test_02_3_rejects_wrong(fn, hint):
+    passed, text = grade("02.3", served_from_l2=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 02.4 which operations are far below their roof ------------------------------------------------------
+
+
+def below_half_roof(rows, bandwidth_gbps, peak_tflops):
+    return [r["op"] for r in rows if _x_roof(r, bandwidth_gbps, peak_tflops) < 0.5]
+
+
+def below_half_roof_time(rows, bandwidth_gbps, peak_tflops):
+    # the same reading in time: measured time more than twice the lower bound
+    return tuple(r["op"] for r in rows
+                 if r["ms"] * 1e-3 > 2 * max(r["flops"] / (peak_tflops * 1e12), r["nbytes"] / (bandwidth_gbps * 1e9)))
+
+
+@pytest.mark.parametrize("fn", [below_half_roof, below_half_roof_time])
+def test_02_4_accepts_correct(fn):
+    passed, text = grade("02.4", below_half_roof=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda rows, bw, peak: [r["op"] for r in rows if r["flops"] / (r["ms"] * 1e-3) / 1e12 < 0.5 * peak],
+     "compute peak only"),
+    (lambda rows, bw, peak: [r["op"] for r in rows if r["nbytes"] / (r["ms"] * 1e-3) / 1e9 < 0.5 * bw],
+     "bandwidth only"),
+    (lambda rows, bw, peak: [r["op"] for r in rows if _x_roof(r, bw, peak) > 0.5], "inverted"),
+    (lambda rows, bw, peak: ["softmax", "matmul 128", "matmul 256", "matmul 512", "matmul 1024"],
+     "a T4's datasheet ceilings"),  # the recorded GPU's answer, hard-coded
+])
+def test_02_4_rejects_wrong(fn, hint):
+    passed, text = grade("02.4", below_half_roof=fn)
+    assert not passed
+    assert hint in text, text

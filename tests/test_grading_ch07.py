@@ -1,0 +1,419 @@
+"""Chapter 07's graders: typical wrong answers are rejected with a message that teaches, and
+different but correct answers are accepted. Kernels run in Triton's interpreter on the CPU.
+
+The speed check of 07.5 runs only on a GPU, timed in the grader against SDPA's backward. A naive
+kernel it is meant to fail: one that forms the products with broadcasting and ``tl.sum`` instead of
+``tl.dot`` (``tl.sum(k[:, None, :] * q[None, :, :], 2)``), which keeps the tensor cores idle."""
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import kernelcourse as kc
+from tests.helpers import grade
+
+# ---- 07.1 dS from P and dP -------------------------------------------------------------------------
+
+
+def sb_ok(p, dp):
+    return p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+
+
+def sb_jacobian(p, dp):  # the whole Jacobian of each row, diag(p) - p pᵀ, in float64: correct, if wasteful
+    p64, dp64 = p.double(), dp.double()
+    jac = torch.diag_embed(p64) - p64[:, :, None] * p64[:, None, :]
+    return (jac @ dp64[:, :, None])[:, :, 0].float()
+
+
+@pytest.mark.parametrize("fn", [sb_ok, sb_jacobian])
+def test_07_1_accepts_correct(fn):
+    passed, text = grade("07.1", softmax_backward=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda p, dp: p * dp, "backward of an elementwise exp"),
+    (lambda p, dp: p * (dp - dp.sum(dim=-1, keepdim=True)), "not of dP alone"),
+    (lambda p, dp: dp - (p * dp).sum(dim=-1, keepdim=True), "multiply by P"),
+    (lambda p, dp: p * (1 - p) * dp, "the diagonal alone"),
+    (lambda p, dp: None, "forget `return`"),
+])
+def test_07_1_rejects_wrong(fn, hint):
+    passed, text = grade("07.1", softmax_backward=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 07.2 D -----------------------------------------------------------------------------------------
+
+
+def d_probs_ok(p, dp):
+    return (p * dp).sum(dim=-1)
+
+
+def d_ok(o, do):
+    return (do * o).sum(dim=-1)
+
+
+def d_einsum(o, do):  # another correct way: the diagonal of dO Oᵀ without the rest
+    return torch.einsum("ic,ic->i", do.double(), o.double())
+
+
+@pytest.mark.parametrize("fn", [d_ok, d_einsum])
+def test_07_2_accepts_correct(fn):
+    passed, text = grade("07.2", delta_from_probs=d_probs_ok, delta=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("probs, fn, hint", [
+    (lambda p, dp: dp.sum(dim=-1), d_ok, "multiply by P before summing"),
+    (d_probs_ok, lambda o, do: do.sum(-1) * o.sum(-1), "not a product of sums"),
+    (d_probs_ok, lambda o, do: do @ o.T, "the diagonal of dO Oᵀ"),
+])
+def test_07_2_rejects_wrong(probs, fn, hint):
+    passed, text = grade("07.2", delta_from_probs=probs, delta=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 07.3 the backward of one head ----------------------------------------------------------------
+
+
+def backward_ok(q, k, v, do, causal=False, bug=None):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = q @ k.T * scale
+    if causal and bug != "no_mask":
+        s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), 0.0 if bug == "fill_zero" else float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = p @ v
+    dp = do @ v.T
+    d = dp.sum(-1, keepdim=True) if bug == "delta_from_dp" else (do * o).sum(-1, keepdim=True)
+    ds = p * dp if bug == "no_delta" else p * (dp - d)
+    c = 1.0 if bug == "no_scale" else scale
+    return ds @ k * c, ds.T @ q * c, p.T @ do
+
+
+def backward_autograd(q, k, v, do, causal=False):  # autograd in float64: correct
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    s = leaves[0] @ leaves[1].T / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    (torch.softmax(s, -1) @ leaves[2]).backward(do.double())
+    return tuple(t.grad for t in leaves)
+
+
+@pytest.mark.parametrize("fn", [backward_ok, backward_autograd])
+def test_07_3_accepts_correct(fn):
+    passed, text = grade("07.3", attention_backward=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("bug, hint", [
+    ("no_delta", "subtract D"),
+    ("delta_from_dp", "not the row sum of dP"),
+    ("no_scale", "the scale is missing"),
+    ("fill_zero", "must be -inf"),
+    ("no_mask", "mask S before the softmax"),
+])
+def test_07_3_rejects_wrong(bug, hint):
+    passed, text = grade("07.3", attention_backward=lambda q, k, v, do, causal=False: backward_ok(q, k, v, do, causal, bug))
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 07.4 the tiled backward ----------------------------------------------------------------------
+
+
+def tiled_ok(q, k, v, o, lse, do, block_m, block_n, causal=False, whole_rows=False):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    d = (do * o).sum(-1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for m0 in range(0, q.shape[0], block_m):           # query tiles outside, key tiles inside: also correct
+        rows = torch.arange(m0, min(m0 + block_m, q.shape[0]))
+        for n0 in range(0, k.shape[0], block_n):
+            cols = torch.arange(n0, min(n0 + block_n, k.shape[0]))
+            p = torch.exp(q[rows] @ k[cols].T * scale - lse[rows, None])
+            if causal:
+                p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
+            dv[cols] += p.T @ do[rows]
+            ds = p * (do[rows] @ v[cols].T - d[rows, None])
+            dq[rows] += ds @ k[cols] * scale
+            dk[cols] += ds.T @ q[rows] * scale
+    return dq, dk, dv
+
+
+def tiled_whole(q, k, v, o, lse, do, block_m, block_n, causal=False):  # correct, but holds N_Q x N_K
+    return backward_ok(q, k, v, do, causal)
+
+
+def tiled_no_delta(q, k, v, o, lse, do, block_m, block_n, causal=False):
+    return tiled_ok(q, k, v, torch.zeros_like(o), lse, do, block_m, block_n, causal)
+
+
+def tiled_tile_max(q, k, v, o, lse, do, block_m, block_n, causal=False):
+    # P from each tile's own softmax instead of the saved lse
+    fake = []
+    for m0 in range(0, q.shape[0], block_m):
+        s = q[m0:m0 + block_m] @ k[:block_n].T / math.sqrt(q.shape[-1])
+        fake.append(torch.logsumexp(s, -1))
+    return tiled_ok(q, k, v, o, torch.cat(fake), do, block_m, block_n, causal)
+
+
+def test_07_4_accepts_correct():
+    passed, text = grade("07.4", tiled_attention_backward=tiled_ok)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (tiled_whole, "as large as the whole N_Q × N_K"),
+    (tiled_no_delta, "subtract D"),
+    (lambda q, k, v, o, lse, do, bm, bn, causal=False: tiled_ok(q, k, v, o, lse, do, bm, bn, False), "set P to 0"),
+    (lambda q, k, v, o, lse, do, bm, bn, causal=False: (None, None), "return a tuple of 3"),
+])
+def test_07_4_rejects_wrong(fn, hint):
+    passed, text = grade("07.4", tiled_attention_backward=fn)
+    assert not passed
+    assert hint in text, text
+
+
+def test_07_4_rejects_a_tile_lse():
+    passed, text = grade("07.4", tiled_attention_backward=tiled_tile_max)
+    assert not passed
+    assert "dv" in text or "dq" in text, text
+
+
+# ---- 07.5 the dK/dV kernel --------------------------------------------------------------------------
+
+
+DKDV_TEMPLATE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sm_scale,
+           stride_qh, stride_kh, stride_lh, N_Q, N_K,
+           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_n = tl.program_id(0)
+    off_h = tl.program_id(1)
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv = off_h * stride_kh + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    k = tl.load(k_ptr + kv, mask=offs_n[:, None] < N_K, other=0.0)
+    v = tl.load(v_ptr + kv, mask=offs_n[:, None] < N_K, other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for start_m in range(0, N_Q, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        rows = offs_m < N_Q
+        qd = off_h * stride_qh + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(q_ptr + qd, MASK_ROWS)
+        do = tl.load(do_ptr + qd, MASK_ROWS)
+        lse = tl.load(lse_ptr + off_h * stride_lh + offs_m, mask=rows, other=0.0)
+        delta = tl.load(delta_ptr + off_h * stride_lh + offs_m, mask=rows, other=0.0)
+BODY
+    tl.store(dk_ptr + kv, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=offs_n[:, None] < N_K)
+    tl.store(dv_ptr + kv, dv.to(dv_ptr.dtype.element_ty), mask=offs_n[:, None] < N_K)
+"""
+
+TRANSPOSED = """
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :] * LSE_FACTOR)
+        dv += tl.dot(p_t.to(q.dtype), do)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) DELTA)
+        dk += tl.dot(ds_t.to(q.dtype), q)
+"""
+BODIES = {
+    "ok": TRANSPOSED.replace("LSE_FACTOR", "1.4426950408889634").replace("DELTA", "- delta[None, :]"),
+    # another correct way: the untransposed tile in base e, transposed for the updates
+    "rows": """
+        p = tl.exp(tl.dot(q, tl.trans(k)) * sm_scale - lse[:, None])
+        p = tl.where(rows[:, None], p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dv += tl.dot(tl.trans(p).to(q.dtype), do)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+""",
+    "lse_base_e": TRANSPOSED.replace("LSE_FACTOR", "1.0").replace("DELTA", "- delta[None, :]"),
+    "no_delta": TRANSPOSED.replace("LSE_FACTOR", "1.4426950408889634").replace("DELTA", ""),
+    "no_mask": TRANSPOSED.replace("LSE_FACTOR", "1.4426950408889634").replace("DELTA", "- delta[None, :]"),
+}
+
+
+def dkdv_kernel(variant, tmp_path):
+    """The exercise's kernel with its loop body written one of several ways, from a module file
+    (Triton reads a kernel's source)."""
+    import importlib.util
+
+    src = DKDV_TEMPLATE.replace("BODY", BODIES[variant].strip("\n"))
+    src = src.replace("MASK_ROWS", "" if variant == "no_mask" else "mask=rows[:, None], other=0.0")
+    path = tmp_path / f"dkdv_{variant}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"dkdv_{variant}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel
+
+
+@pytest.mark.parametrize("variant", ["ok", "rows"])
+def test_07_5_accepts_correct(variant, tmp_path):
+    passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel(variant, tmp_path))
+    assert passed, text
+    if not kc.world().gpu:
+        assert "speed needs a GPU (not graded here)" in text
+
+
+@pytest.mark.parametrize("variant, hint", [
+    ("lse_base_e", "convert it to base 2"),
+    ("no_delta", "subtract D"),
+])
+def test_07_5_rejects_wrong(variant, hint, tmp_path):
+    passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel(variant, tmp_path))
+    assert not passed
+    assert hint in text, text
+
+
+def test_07_5_rejects_unmasked_rows(tmp_path):
+    if kc.world().gpu:
+        pytest.skip("an unmasked load past the data may crash a GPU process; the interpreter reads the NaN frame")
+    passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("no_mask", tmp_path))
+    assert not passed
+    assert "mask=offs_m < N_Q" in text or "NaN" in text or "outside every tensor the kernel was given" in text, text
+
+
+def test_07_5_rejects_a_plain_function():
+    passed, text = grade("07.5", attention_dkdv_kernel=lambda *a: None)
+    assert not passed and "@triton.jit" in text, text
+
+
+# ---- 07.6 query tiles of a key tile ----------------------------------------------------------------
+
+
+def qr_ok(start_n, block_m, block_n):
+    k0 = start_n * block_n
+    m_start = k0 // block_m * block_m
+    return m_start, max(m_start, -(-(k0 + block_n - 1) // block_m) * block_m)
+
+
+def qr_loop(start_n, block_m, block_n):  # another correct way: walk the tiles and classify each
+    k0, k1 = start_n * block_n, start_n * block_n + block_n - 1
+    m = 0
+    while m + block_m - 1 < k0:         # the tile's last query is before the first key: skipped
+        m += block_m
+    start = m
+    while m < k1:                       # the tile's first query is before the last key: masked
+        m += block_m
+    return start, m
+
+
+@pytest.mark.parametrize("fn", [qr_ok, qr_loop])
+def test_07_6_accepts_correct(fn):
+    passed, text = grade("07.6", query_range=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda s, bm, bn: (0, qr_ok(s, bm, bn)[1]), "see none of its keys"),
+    (lambda s, bm, bn: (qr_ok(s, bm, bn)[0], -(-(s * bn + bn) // bm) * bm), "already sees every key"),
+    (lambda s, bm, bn: (qr_ok(s, bm, bn)[0], qr_ok(s, bm, bn)[0] + bm), "crosses the diagonal in several query tiles"),
+    (lambda s, bm, bn: None, "forget `return`"),
+])
+def test_07_6_rejects_wrong(fn, hint):
+    passed, text = grade("07.6", query_range=fn)
+    assert not passed
+    assert hint in text, text
+
+
+# ---- 07.7 the autograd Function -----------------------------------------------------------------------
+
+from kernelcourse.attention import attention_ref, flash_attention  # noqa: E402
+from kernelcourse.attention_backward import flash_attention_backward  # noqa: E402
+
+
+class FnOk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, lse = flash_attention(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*flash_attention_backward(q, k, v, o, lse, do, causal=ctx.causal), None)
+
+
+class FnRecompute(torch.autograd.Function):  # saves only the inputs and reruns the forward: correct
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        ctx.save_for_backward(q, k, v)
+        ctx.causal = causal
+        return flash_attention(q, k, v, causal=causal)[0]
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        o, lse = flash_attention(q, k, v, causal=ctx.causal)
+        return (*flash_attention_backward(q, k, v, o, lse, do, causal=ctx.causal), None)
+
+
+class FnSavesP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, lse = flash_attention(q, k, v, causal=causal)
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+        ctx.save_for_backward(torch.softmax(s, -1), v, q, k)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        p, v, q, k = ctx.saved_tensors
+        dp = do @ v.transpose(-2, -1)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        scale = 1 / math.sqrt(q.shape[-1])
+        return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do, None
+
+
+class FnPOnCtx(FnOk):
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o = FnOk.forward(ctx, q, k, v, causal)
+        ctx.p = torch.softmax(q @ k.transpose(-2, -1), -1)   # kept on ctx, not saved: still N x N
+        return o
+
+
+class FnSwapped(FnOk):
+    @staticmethod
+    def backward(ctx, do):
+        dq, dk, dv, _ = FnOk.backward(ctx, do)
+        return dq, dv, dk, None
+
+
+class FnForgetsCausal(FnOk):
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*flash_attention_backward(q, k, v, o, lse, do, causal=False), None)
+
+
+@pytest.mark.parametrize("fn", [FnOk, FnRecompute])
+def test_07_7_accepts_correct(fn):
+    passed, text = grade("07.7", FlashAttentionFn=fn)
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (FnSavesP, "as large as the N_Q × N_K probabilities"),
+    (FnPOnCtx, "as large as the N_Q × N_K probabilities"),
+    (FnForgetsCausal, "keep it on ctx"),
+    (FnSwapped, "dk"),
+    (lambda q, k, v, causal: None, "torch.autograd.Function"),
+])
+def test_07_7_rejects_wrong(fn, hint):
+    passed, text = grade("07.7", FlashAttentionFn=fn)
+    assert not passed
+    assert hint in text, text

@@ -1,0 +1,284 @@
+"""The exercises graded on speed (01.6, 04.5, 05.4).
+
+On the CPU their graders check correctness and report the speed check as not graded, never as passed.
+On a GPU, each naive version named here must fail its speed check while the solution passes; measured on
+an H100: the matrix add with threads of a warp running down a column reached 22% of a copy's bandwidth
+(needs 60%), 04.4's RMSNorm kernel launched one row per program 29% of a copy (needs 60%; the solution
+101%), and 05.2's matmul with 32 x 32 x 32 tiles 0.17x cuBLAS (needs 0.5x; 128 x 256 x 64 tiles 0.89x).
+"""
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+
+import kernelcourse as kc
+from kernelcourse import grading
+from tests.helpers import grade
+
+kc.setup()
+from numba import cuda  # noqa: E402  (after setup: the simulator is chosen by the environment)
+import torch  # noqa: E402
+
+GPU = kc.world().gpu
+needs_gpu = pytest.mark.skipif(not GPU, reason="speed is graded on a GPU only")
+cpu_only = pytest.mark.skipif(GPU, reason="on a GPU the speed check is graded")
+
+
+def _speed_line(text: str) -> str:
+    return next(line for line in text.splitlines() if "copy" in line or "cuBLAS" in line)
+
+
+# ---- 01.6 matrix add at the memory's speed ----------------------------------------------------------
+
+@cuda.jit
+def _add_rows_fast(A, B, C):
+    col, row = cuda.grid(2)
+    if row < C.shape[0] and col < C.shape[1]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+@cuda.jit
+def _add_cols_slow(A, B, C):
+    row, col = cuda.grid(2)  # x runs down a column: a warp's threads read 32 different rows
+    if row < C.shape[0] and col < C.shape[1]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+@cuda.jit
+def _add_flat_stride(A, B, C):
+    # another correct answer: one thread per element of a flat grid-stride loop
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    rows, cols = C.shape
+    for i in range(start, rows * cols, stride):
+        r, c = i // cols, i % cols
+        C[r, c] = A[r, c] + B[r, c]
+
+
+@cuda.jit
+def _add_no_bounds(A, B, C):
+    col, row = cuda.grid(2)
+    C[row, col] = A[row, col] + B[row, col]
+
+
+def matrix_add_fast(A, B, C):
+    grid = ((C.shape[1] + 31) // 32, (C.shape[0] + 7) // 8)
+    _add_rows_fast[grid, (32, 8)](A, B, C)
+
+
+def matrix_add_slow(A, B, C):  # the naive version: correct, uncoalesced
+    grid = ((C.shape[0] + 31) // 32, (C.shape[1] + 7) // 8)
+    _add_cols_slow[grid, (32, 8)](A, B, C)
+
+
+def matrix_add_flat(A, B, C):
+    _add_flat_stride[4, 128](A, B, C)
+
+
+def matrix_add_short_grid(A, B, C):  # forgets the partial blocks
+    grid = (C.shape[1] // 32, C.shape[0] // 8)
+    _add_rows_fast[grid or (1, 1), (32, 8)](A, B, C)
+
+
+def matrix_add_no_bounds(A, B, C):
+    grid = ((C.shape[1] + 31) // 32, (C.shape[0] + 7) // 8)
+    _add_no_bounds[grid, (32, 8)](A, B, C)
+
+
+@pytest.mark.parametrize("fn", [matrix_add_fast, matrix_add_flat, matrix_add_slow])
+def test_01_6_correct_versions_pass_the_correctness_checks(fn):
+    passed, text = grade("01.6", matrix_add=fn)
+    if GPU and fn is matrix_add_slow:
+        return  # on a GPU the slow one fails on speed: see below
+    assert passed, text
+
+
+@cpu_only
+def test_01_6_speed_is_not_graded_on_the_cpu():
+    passed, text = grade("01.6", matrix_add=matrix_add_fast)
+    assert passed and "speed needs a GPU (not graded here)" in text
+    assert "1 not graded here" in text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (matrix_add_short_grid, "never written"),
+    (_add_rows_fast, "plain Python function"),
+])
+def test_01_6_rejects_wrong(fn, hint):
+    passed, text = grade("01.6", matrix_add=fn)
+    assert not passed
+    assert hint in text, text
+
+
+@pytest.mark.skipif(GPU, reason="an out-of-bounds write on a GPU would corrupt this process's context")
+def test_01_6_rejects_a_missing_bounds_check():
+    passed, text = grade("01.6", matrix_add=matrix_add_no_bounds)
+    assert not passed and ("out-of-bounds" in text or "past the end" in text), text
+
+
+@needs_gpu
+def test_01_6_naive_fails_and_solution_passes_on_speed():
+    passed, text = grade("01.6", matrix_add=matrix_add_slow)
+    assert not passed and "needs at least 60%" in _speed_line(text), text
+    passed, text = grade("01.6", matrix_add=matrix_add_fast)
+    assert passed, text
+
+
+# ---- 04.5 RMSNorm on many short rows -------------------------------------------------------------------
+
+@triton.jit
+def _rms_rows_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, eps,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, MASK_ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = cols[None, :] < n_cols
+    if MASK_ROWS:
+        mask = mask & (rows[:, None] < n_rows)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _rms_one_row_kernel(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(y_ptr + row * stride_y + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_launcher(rows_target, mask_rows=True, grid_floor=False):
+    def rms_norm_rows(x, w, eps):
+        n_rows, n_cols = x.shape
+        y = torch.empty_like(x)
+        BLOCK = triton.next_power_of_2(n_cols)
+        ROWS = max(1, min(64, rows_target // BLOCK))
+        grid = max(1, n_rows // ROWS) if grid_floor else triton.cdiv(n_rows, ROWS)
+        _rms_rows_kernel[(grid,)](x, w, y, n_rows, n_cols, x.stride(0), y.stride(0), eps, BLOCK=BLOCK, ROWS=ROWS,
+                                  MASK_ROWS=mask_rows)
+        return y
+    return rms_norm_rows
+
+
+def rms_norm_one_row(x, w, eps):  # the naive version: 04.4's kernel, one row per program
+    y = torch.empty_like(x)
+    _rms_one_row_kernel[(x.shape[0],)](x, w, y, x.shape[1], x.stride(0), y.stride(0), eps,
+                                       BLOCK=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
+def rms_norm_torch_without_eps(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True)) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("fn", [_rows_launcher(4096), _rows_launcher(1024), rms_norm_one_row])
+def test_04_5_correct_versions_pass_the_correctness_checks(fn):
+    passed, text = grade("04.5", rms_norm_rows=fn)
+    if GPU and fn is rms_norm_one_row:
+        return
+    assert passed, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (_rows_launcher(4096, grid_floor=True), "rows from"),
+    (rms_norm_torch_without_eps, "max error"),
+    (lambda x, w, eps: None, "returned NoneType"),
+])
+def test_04_5_rejects_wrong(fn, hint):
+    passed, text = grade("04.5", rms_norm_rows=fn)
+    assert not passed
+    assert hint in text, text
+
+
+@pytest.mark.skipif(GPU, reason="an unmasked out-of-bounds access on a GPU would corrupt this process's context")
+def test_04_5_rejects_unmasked_rows():
+    passed, text = grade("04.5", rms_norm_rows=_rows_launcher(4096, mask_rows=False))
+    assert not passed, text
+
+
+@needs_gpu
+def test_04_5_naive_fails_and_solution_passes_on_speed():
+    passed, text = grade("04.5", rms_norm_rows=rms_norm_one_row)
+    assert not passed and "needs at least 60%" in _speed_line(text), text
+    passed, text = grade("04.5", rms_norm_rows=_rows_launcher(4096))
+    assert passed, text
+
+
+# ---- 05.4 tiles for your GPU ----------------------------------------------------------------------------
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+GOOD = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
+NAIVE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("config", [GOOD, NAIVE, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=2, num_stages=1)])
+def test_05_4_correct_configs_pass_the_correctness_checks(config):
+    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=config)
+    if GPU and config is not GOOD:
+        return
+    assert passed, text
+
+
+@pytest.mark.parametrize("config, hint", [
+    (dict(GOOD, BLOCK_N=96), "power of two"),
+    (dict(GOOD, BLOCK_K=8), "power of two, at least 16"),
+    ({k: v for k, v in GOOD.items() if k != "num_stages"}, "has no num_stages"),
+    (dict(GOOD, GROUP_M=8), "keys the kernel does not take"),
+    ((128, 128, 32), "make it a dict"),
+    (dict(GOOD, num_warps=3), "num_warps"),
+])
+def test_05_4_rejects_wrong_configs(config, hint):
+    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=config)
+    assert not passed
+    assert hint in text, text
+
+
+def test_05_4_needs_a_kernel():
+    passed, text = grade("05.4", matmul_kernel=lambda *a: None, matmul_config=GOOD)
+    assert not passed and "matmul_kernel" in text, text
+
+
+@needs_gpu
+def test_05_4_naive_tiles_fail_and_large_tiles_pass_on_speed():
+    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=NAIVE)
+    assert not passed and "needs at least 0.5x" in _speed_line(text), text
+    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=GOOD)
+    assert passed, text
+
+
+@cpu_only
+@pytest.mark.parametrize("exercise, objects", [
+    ("01.6", dict(matrix_add=matrix_add_fast)),
+    ("04.5", dict(rms_norm_rows=_rows_launcher(4096))),
+    ("05.4", dict(matmul_kernel=_matmul_kernel, matmul_config=GOOD)),
+])
+def test_without_a_gpu_the_speed_line_is_not_graded_never_passed(exercise, objects):
+    passed, text = grade(exercise, **objects)
+    assert passed, text
+    speed = [line for line in text.splitlines() if "speed needs a GPU" in line]
+    assert len(speed) == 1 and speed[0].startswith(grading.NOT_GRADED), text
+    assert "not graded here" in text.splitlines()[-1], text

@@ -1,0 +1,215 @@
+"""Check the whole course on this machine's CUDA GPU, then print one summary table.
+
+    python3 tools/gpu_check.py          # or: make gpu-check PYTHON=python3
+
+It runs, with the interpreter that runs it (no virtual environment is built or needed):
+  1. the unit tests (pytest tests), each one GPU-safe or skipped here with its reason;
+  2. every lesson in notebooks/ and every solution in solutions/ under nbval, in the GPU world;
+  3. the grade report on every solution (every exercise must pass: on a GPU, speed checks are graded too)
+     and on every generated exercise stub (every exercise must fail).
+The table says what ran, passed, failed and was skipped (and why), how long each part took, on which GPU
+and with which versions. The exit status is 0 only when everything passed. The package is imported
+from this checkout's src/, whatever is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the checks import, and the pip name of each: the notebook stack is what a bare GPU machine lacks.
+NEEDED = {"torch": "torch", "triton": "triton", "numpy": "numpy", "numba": "numba", "numba_cuda": "numba-cuda", "pytest": "pytest",
+          "nbval": "nbval", "nbclient": "nbclient", "nbformat": "nbformat", "ipykernel": "ipykernel",
+          "matplotlib": "matplotlib", "yaml": "pyyaml"}
+# tests/test_exercises.py grades every stub and every solution: here that is part 3, reported per exercise.
+GRADE_TESTS = "not test_generated_stubs_fail_every_grader and not test_solutions_pass_every_grader"
+# Test files that belong to one chapter (besides tests/test_grading_chNN.py), for --chapter.
+CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "06": ["test_attention.py"],
+                 "07": ["test_attention_backward.py"]}
+
+
+@dataclass
+class Part:
+    what: str
+    unit: str                      # what one item is: a test, a cell, an exercise
+    ran: int = 0
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    skips: Counter = field(default_factory=Counter)
+    error: str = ""                # the part could not run at all
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.failed == 0 and self.ran > 0
+
+
+def missing_stack() -> list[str]:
+    return sorted({pip for module, pip in NEEDED.items() if importlib.util.find_spec(module) is None})
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env["KC_WORLD"] = "gpu"  # a GPU that vanished fails loudly instead of quietly testing the CPU path
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    return env
+
+
+def run_pytest(part: Part, args: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rN", "--junitxml", str(xml), *args]
+        start = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+        part.seconds = time.time() - start
+        if not xml.exists():
+            part.error = f"pytest did not run (exit {proc.returncode}): {_last_line(proc.stdout + proc.stderr)}"
+            return
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            name = f"{case.get('classname', '')}::{case.get('name')}"
+            part.ran += 1
+            outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+            if outcome is None:
+                part.passed += 1
+            elif outcome.tag == "skipped":
+                part.skipped += 1
+                part.skips[(outcome.get("message") or "no reason given").strip()] += 1
+            else:
+                part.failed += 1
+                part.failures.append(f"{name}: {_last_line(outcome.get('message') or outcome.text or '')}")
+        if proc.returncode not in (0, 1) and not part.failed:
+            # pytest's own trouble (a crash of the test process, a usage error) after the report was written
+            part.error = f"pytest exited {proc.returncode}: {_last_line(proc.stdout + proc.stderr)}"
+
+
+def run_grade(part: Part, notebooks: list[Path], expect_pass: bool) -> None:
+    cmd = [sys.executable, "-m", "kernelcourse.grade", "--json", *map(str, notebooks)]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    part.seconds = time.time() - start
+    try:
+        rows = json.loads(proc.stdout)["rows"]
+    except (json.JSONDecodeError, KeyError):
+        part.error = f"the grade report did not run (exit {proc.returncode}): {_last_line(proc.stdout + proc.stderr)}"
+        return
+    for row in rows:
+        part.ran += 1
+        ex = f"{row['notebook']} {row['exercise']}"
+        if row.get("not_graded"):
+            part.failed += 1  # on a GPU every check, speed included, is graded
+            part.failures.append(f"{ex}: not graded on this GPU: {row['message']}")
+        elif not expect_pass and "did not run" in row["message"]:
+            part.failed += 1  # a stub must fail its grader, not a notebook that broke before the grader
+            part.failures.append(f"{ex}: {row['message']}")
+        elif row["passed"] == expect_pass:
+            part.passed += 1
+        else:
+            part.failed += 1
+            part.failures.append(f"{ex}: {'FAIL' if expect_pass else 'the stub passed'}: {row['message']}")
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def machine() -> tuple[str, dict]:
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    from kernelcourse.world import versions
+
+    props = torch.cuda.get_device_properties(0)
+    return f"{props.name} (compute capability {props.major}.{props.minor})", versions()
+
+
+def render(parts: list[Part], gpu: str, versions: dict, seconds: float) -> str:
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"GPU check on {gpu}, {when}, {sys.executable}",
+             " · ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    head = ("part", "unit", "ran", "passed", "failed", "skipped", "time")
+    body = [(p.what, p.unit, *(str(n) for n in (p.ran, p.passed, p.failed, p.skipped)),
+             f"{p.seconds:.0f} s") for p in parts]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    for r in [head, *body]:
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    for p in parts:
+        if p.error:
+            lines.append(f"\n{p.what} could not run: {p.error}")
+        if p.failures:
+            lines.append(f"\n{p.what}, failed:")
+            lines += [f"  {f}" for f in p.failures]
+        if p.skips:
+            lines.append(f"\n{p.what}, skipped here and why:")
+            lines += [f"  {n} x {reason}" for reason, n in sorted(p.skips.items())]
+    verdict = "PASS" if all(p.ok for p in parts) else "FAIL"
+    lines.append(f"\n{verdict}: {sum(p.ran for p in parts)} checks in {seconds:.0f} s")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cell-timeout", type=int, default=600, help="seconds allowed per notebook cell")
+    ap.add_argument("--chapter", action="append", metavar="NN",
+                    help="check chapter NN only (repeatable): its notebooks and tests, and the tests that belong "
+                         "to no chapter; runs over chapters that split the course together cover all of it")
+    args = ap.parse_args()
+    if missing := missing_stack():
+        print(f"The course's notebook stack is not installed for {sys.executable}: {', '.join(missing)} missing.\n"
+              f"Install it with:  {sys.executable} -m pip install {' '.join(missing)}\n"
+              "(or `make install` for the course's own .venv), then run this again.")
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tools/gpu_check.py checks the course on a CUDA GPU, and torch sees none here "
+              f"(torch {torch.__version__}). On a CPU machine, `make test` checks the CPU world.")
+        return 2
+    gpu, versions = machine()
+    nbval = ["--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={args.cell_timeout}"]
+    lessons = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    solutions = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    tests = ["tests"]
+    if args.chapter:
+        lessons = [p for p in lessons if p.name[:2] in args.chapter]
+        solutions = [p for p in solutions if p.name[:2] in args.chapter]
+        others = {p.stem[:2] for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")} - set(args.chapter)
+        elsewhere = {f"test_grading_ch{c}.py" for c in others} | {f for c in others for f in CHAPTER_TESTS.get(c, [])}
+        tests = [f"tests/{p.name}" for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in elsewhere]
+    stubs = [ROOT / "exercises" / p.name for p in solutions]
+    parts = [Part("unit tests", "test"), Part("lessons under nbval", "cell"), Part("solutions under nbval", "cell"),
+             Part("grade report: solutions pass", "exercise"), Part("grade report: stubs fail", "exercise")]
+    start = time.time()
+    for part, do in zip(parts, [
+        lambda p: run_pytest(p, [*tests, "-k", GRADE_TESTS]),
+        lambda p: run_pytest(p, [*nbval, *map(str, lessons)]),
+        lambda p: run_pytest(p, [*nbval, *map(str, solutions)]),
+        lambda p: run_grade(p, solutions, expect_pass=True),
+        lambda p: run_grade(p, stubs, expect_pass=False),
+    ]):
+        print(f"running {part.what}...", flush=True)
+        do(part)
+        print(f"  {part.passed}/{part.ran} {part.unit}s as expected, {part.failed} not, {part.skipped} skipped, "
+              f"{part.seconds:.0f} s{' (' + part.error + ')' if part.error else ''}", flush=True)
+    scope = f"chapters {', '.join(sorted(args.chapter))} and the tests of no chapter" if args.chapter else "the whole course"
+    print("\n" + render(parts, f"{gpu}, {scope}", versions, time.time() - start))
+    return 0 if all(p.ok for p in parts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
