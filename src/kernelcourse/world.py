@@ -95,7 +95,7 @@ def _driver_version() -> str:
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """(2, 5, 2) from "2.5.2", (0, 30, 4) from "0.30.4", (2, 6) from "2.6.0rc1"."""
+    """(2, 5, 2) from "2.5.2", (0, 30, 4) from "0.30.4", (2, 6, 0) from "2.6.0rc1", to compare releases."""
     return tuple(int(m.group()) for part in version.split("+")[0].split(".")[:3] if (m := re.match(r"\d+", part)))
 
 
