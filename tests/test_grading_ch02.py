@@ -245,3 +245,16 @@ def _classify_by_timing(flops, nbytes, peak_tflops, bandwidth_gbps):
 def test_graders_agree_with_an_independent_oracle(exercise, name, oracle):
     passed, text = grade(exercise, **{name: oracle})
     assert passed, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (lambda f, n, p, b: (f / (p * 1e12) + n / (b * 1e9)) * 1e3, "not their sum"),
+    (lambda f, n, p, b: max(f / (p * 1e12), n / (b * 2**30)) * 1e3, "that is GiB, not GB"),
+    (lambda f, n, p, b: max(f / (p * 1e12), n / (b * 1e9)), "that is seconds"),
+])
+def test_02_7_first_case_tells_mistakes_apart(mistake, hint, monkeypatch):
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    for seed in range(20):
+        monkeypatch.setenv("KC_GRADE_SEED", str(seed))
+        passed, text = grade("02.7", min_time_ms=mistake)
+        assert not passed and hint in text and "✔" not in text, text

@@ -215,7 +215,8 @@ def _gpu_cases(rng, n: int) -> list[dict]:
 
 @exercise("02.7", "lower-bound time of an op", names=("min_time_ms",), time_limit_s=10)
 def grade_min_time(report: Report, min_time_ms):
-    cases = _gpu_cases(fresh_rng(report), 4)
+    rng = fresh_rng(report)
+    cases = _gpu_cases(rng, 4)
 
     def parts(flops, nbytes, peak_tflops, bandwidth_gbps):
         return flops / (peak_tflops * 1e12), nbytes / (bandwidth_gbps * 1e9)
@@ -236,6 +237,8 @@ def grade_min_time(report: Report, min_time_ms):
             (max(c * 1e12, m * 1e9) * 1e3, "convert TFLOP/s to FLOP/s (× 10^12) and GB/s to bytes/s (× 10^9)"),
         ]
 
+    # the first case (memory-bound) one where every usual mistake gives its own number
+    cases[0] = separating(rng, lambda r: _gpu_cases(r, 1)[0], truth, mutants)
     _grade_number(report, min_time_ms, "min_time_ms", cases, truth, mutants, "ms",
                   "T >= max(FLOPs / peak FLOP/s, bytes / bandwidth in bytes/s), in milliseconds")
 
