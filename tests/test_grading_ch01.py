@@ -1,6 +1,7 @@
 """Chapter 01's graders: typical wrong answers are rejected with a message that teaches, and
 different but correct answers are accepted. Kernels run in numba's simulator on the CPU."""
 import math
+from fractions import Fraction
 
 import pytest
 from numba import cuda
@@ -66,7 +67,7 @@ def test_01_1_accepts_correct(kernel):
     (add_no_bounds_check, "bounds check"),
     (add_thread_index_only, "global index"),
     (add_off_by_one, "never written"),
-    (add_wrong_operand, "max error"),
+    (add_wrong_operand, "out[i] = x[i] + x[i]: add y[i], not x[i] twice"),
     (add_not_a_kernel, "@cuda.jit"),
 ])
 def test_01_1_rejects_wrong(kernel, hint):
@@ -90,11 +91,12 @@ def test_01_2_accepts_correct(fn):
 
 
 @pytest.mark.parametrize("fn, hint", [
-    (lambda n, b: n // b, "floor division"),
-    (lambda n, b: n // b + 1, "multiple of the block size"),
-    (lambda n, b: math.ceil(n / b), "integer ceil-div"),
-    (lambda n, b: n / b, "whole number"),
-    (lambda n, b: None, "return"),
+    (lambda n, b: n // b, "floor division drops the last, partial block"),
+    (lambda n, b: n // b + 1, "one block too many when n is a multiple of the block size"),
+    (lambda n, b: math.ceil(n / b), "float division rounds large n; use integer ceil-div"),
+    (lambda n, b: int(n / b) + 1, "one block too many when n is a multiple of the block size"),
+    (lambda n, b: n / b, "a launch needs a whole number of blocks (an int)"),
+    (lambda n, b: None, "returned None: did you forget `return`?"),
 ])
 def test_01_2_rejects_wrong(fn, hint):
     passed, text = grade("01.2", grid_size=fn)
@@ -166,7 +168,7 @@ def test_01_3_accepts_correct(kernel):
     (axpy_block_stride, "updated twice"),
     (axpy_fixed_trips, "while i < n"),
     (axpy_off_by_one, "i < n"),
-    (axpy_overwrites, "max error"),
+    (axpy_overwrites, "y holds a * x alone: add to it, y[i] += a * x[i]"),
 ])
 def test_01_3_rejects_wrong(kernel, hint):
     passed, text = grade("01.3", axpy_kernel=kernel)
@@ -240,11 +242,13 @@ def test_01_5_accepts_correct(fn):
 
 
 @pytest.mark.parametrize("fn, hint", [
-    (lambda n, s, ms: 2 * n * s / (ms / 1e3) / 1e9, "two arrays"),
-    (lambda n, s, ms: 3 * n * s / ms / 1e9, "milliseconds"),
-    (lambda n, s, ms: 3 * n * s / (ms / 1e3) / 2**30, "2^30"),
-    (lambda n, s, ms: 3 * n / (ms / 1e3) / 1e9, "itemsize"),
-    (lambda n, s, ms: "fast", "not a number"),
+    (lambda n, s, ms: 2 * n * s / (ms / 1e3) / 1e9, "you counted two arrays"),
+    (lambda n, s, ms: n * s / (ms / 1e3) / 1e9, "you counted one array"),
+    (lambda n, s, ms: 3 * n * s / ms / 1e9, "ms is milliseconds: divide by ms * 1e-3 seconds"),
+    (lambda n, s, ms: 3 * n * s / (ms / 1e6) / 1e9, "ms is milliseconds, not microseconds"),
+    (lambda n, s, ms: 3 * n * s / (ms / 1e3) / 2**30, "GB/s means 10^9 bytes per second, not 2^30 (GiB)"),
+    (lambda n, s, ms: 3 * n / (ms / 1e3) / 1e9, "multiply by the bytes per element (itemsize)"),
+    (lambda n, s, ms: "fast", "of type str, not a number"),
 ])
 def test_01_5_rejects_wrong(fn, hint):
     passed, text = grade("01.5", vector_add_gbps=fn)
@@ -264,3 +268,44 @@ def test_endless_loop_hits_the_time_limit(monkeypatch):
 
     passed, text = grade("01.2", grid_size=forever)
     assert not passed and "loop that never ends" in text
+
+
+# ---- fresh cases: a table of answers cannot pass ---------------------------------------------------
+
+
+def memorised(correct):
+    """A correct function that records its answers, and a table of them that answers nothing else."""
+    table = {}
+
+    def recording(*args):
+        table[args] = correct(*args)
+        return table[args]
+
+    return recording, lambda *args: table.get(args, 1)
+
+
+@pytest.mark.parametrize("exercise, name, correct", [
+    ("01.2", "grid_size", lambda n, b: (n + b - 1) // b),
+    ("01.5", "vector_add_gbps", lambda n, s, ms: 3 * n * s / (ms * 1e-3) / 1e9),
+])
+def test_cases_are_fresh_every_run(exercise, name, correct, monkeypatch):
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    monkeypatch.delenv("KC_GRADE_SEED", raising=False)
+    recording, table = memorised(correct)
+    assert grade(exercise, **{name: recording})[0]
+    passed, text = grade(exercise, **{name: table})
+    assert not passed, text
+    # only the failing case shows its expected value, and the line says how to draw the cases again
+    assert text.count("expected") == 1 and "KC_GRADE_SEED=" in text, text
+
+
+def test_a_seed_draws_the_same_cases(monkeypatch):
+    monkeypatch.setenv("KC_GRADE_SEED", "4242")
+    first, second = grade("01.2", grid_size=lambda n, b: n // b), grade("01.2", grid_size=lambda n, b: n // b)
+    assert first == second and "[seed 4242: KC_GRADE_SEED=4242 draws these cases again]" in first[1]
+
+
+def test_01_2_agrees_with_exact_rational_ceil():
+    # an independent oracle: the ceiling of the exact fraction n / block, no integer trick, no float
+    passed, text = grade("01.2", grid_size=lambda n, b: math.ceil(Fraction(n, b)))
+    assert passed, text

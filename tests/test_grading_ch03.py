@@ -145,11 +145,12 @@ def test_03_5_accepts_correct(answer):
 
 
 @pytest.mark.parametrize("answer, hint", [
-    ({"B", "C", "E", "G"}, "compute-bound"),
-    ({"C", "E"}, "reads x twice"),
-    ({"B", "E"}, "saves a launch, not bytes"),
-    ({"B", "C"}, "a view moves no bytes"),
-    ({"B", "C", "D", "E"}, "never reads it back"),
+    ({"B", "C", "E", "G"}, "1 of the 7 proposals are judged wrongly; think again about G: " + ch03.QUESTION["G"]),
+    ({"C", "E"}, "1 of the 7 proposals are judged wrongly; think again about B: " + ch03.QUESTION["B"]),
+    ({"B", "E"}, "think again about C: " + ch03.QUESTION["C"]),
+    ({"B", "C"}, "think again about E: " + ch03.QUESTION["E"]),
+    ({"B", "C", "D", "E"}, "think again about D: " + ch03.QUESTION["D"]),
+    ({"A", "D", "F", "G"}, "7 of the 7 proposals are judged wrongly; think again about A"),
     ({"B", "C", "E", "Z"}, "letters A to G"),
     (42, "return a set of letters"),
 ])
@@ -157,6 +158,13 @@ def test_03_5_rejects_wrong(answer, hint):
     passed, text = grade("03.5", no_traffic_saved=lambda: answer)
     assert not passed
     assert hint in text, text
+
+
+@pytest.mark.parametrize("answer", [{"B", "C", "E", "G"}, set(), {"A", "B", "C", "D", "E", "F", "G"}])
+def test_03_5_a_wrong_try_reveals_no_verdict(answer):
+    passed, text = grade("03.5", no_traffic_saved=lambda: answer)
+    assert not passed and text.count("✘") == 1 and "✔" not in text, text
+    assert not any(why in text for why in ch03.WHY.values()), text
 
 
 # ---- 03.6 predicted speed-up -------------------------------------------------------------------
@@ -280,3 +288,63 @@ def test_stubs_fail():
             raise NotImplementedError("replace this line with your answer (about 1 line)")
         passed, text = grade(ex.id, **{name: stub for name in ex.names})
         assert not passed and "not written yet" in text, text
+
+
+# ---- fresh cases: a table of answers cannot pass ---------------------------------------------------
+
+
+def memorised(correct):
+    """A correct function that records its answers, and a table of them that answers nothing else."""
+    table = {}
+
+    def recording(*args):
+        table[args] = correct(*args)
+        return table[args]
+
+    return recording, lambda *args: table.get(args, 1)
+
+
+@pytest.mark.parametrize("exercise, name, correct", [
+    ("03.1", "block_unfused_bytes", lambda r, c, s: (7 * r * c + c) * s),
+    ("03.2", "block_fused_bytes", lambda r, c, s: (3 * r * c + c) * s),
+    ("03.3", "io_reduction", lambda k, e: (2 * k + e) / (2 + e)),
+    ("03.4", "layernorm_bytes", lambda r, c, s: (2 * r * c + 2 * c) * s + 8 * r),
+    ("03.6", "predicted_speedup", _speedup),
+    ("03.7", "largest_intermediate_bytes", None),
+])
+def test_cases_are_fresh_every_run(exercise, name, correct, monkeypatch):
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    monkeypatch.delenv("KC_GRADE_SEED", raising=False)
+    if correct is None:  # 03.7: remember each function's answer by its name
+        table = {}
+
+        def recording(fn, *args):
+            table[fn.__name__] = _largest_with_ledger(fn, *args)
+            return table[fn.__name__]
+        lookup = lambda fn, *args: table[fn.__name__]  # noqa: E731
+    else:
+        recording, lookup = memorised(correct)
+    assert grade(exercise, **{name: recording})[0]
+    passed, text = grade(exercise, **{name: lookup})
+    assert not passed, text
+    assert "KC_GRADE_SEED=" in text and text.count("✘") == 1, text
+
+
+# ---- the first case tells the usual mistakes apart ----------------------------------------------------
+
+
+@pytest.mark.parametrize("exercise, name, mistake, hint", [
+    ("03.1", "block_unfused_bytes", lambda r, c, s: 7 * r * c * s, "the add reads the bias too"),
+    ("03.1", "block_unfused_bytes", lambda r, c, s: (6 * r * c + c) * s, "the multiply reads two full tensors"),
+    ("03.1", "block_unfused_bytes", lambda r, c, s: 8 * r * c * s, "broadcast over the rows"),
+    ("03.4", "layernorm_bytes", lambda r, c, s: (2 * r * c + 2 * c) * s + 2 * r * s, "the statistics are float32"),
+    ("03.4", "layernorm_bytes", lambda r, c, s: (2 * r * c + 2 * c) * s + r * 4, "two statistics per row"),
+    ("03.3", "io_reduction", lambda k, e: (2 * k + e) / 2, "2 + extra in the denominator"),
+])
+def test_first_case_names_the_right_mistake(exercise, name, mistake, hint, monkeypatch):
+    # on every seed the first case is one where the usual mistakes give different numbers
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    for seed in range(25):
+        monkeypatch.setenv("KC_GRADE_SEED", str(seed))
+        passed, text = grade(exercise, **{name: mistake})
+        assert not passed and hint in text and text.count("✘") == 1 and "✔" not in text, text

@@ -10,6 +10,20 @@ import kernelcourse as kc
 from kernelcourse import kernels
 from tests.helpers import grade
 
+
+def dtype_case(kernel, hint):
+    """A kernel computing in float16 where the statement asks for float32, named by the interpreter's dtype
+    check (on a GPU only its numbers are graded)."""
+    return pytest.param(kernel, hint, marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the float32 check runs in Triton's interpreter"))
+
+
+def address_case(kernel, hint):
+    """A wrong kernel that only the interpreter's address check names (skipped on a GPU)."""
+    return pytest.param(kernel, hint, marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the address check runs in Triton's interpreter; on a GPU this kernel touches memory "
+                               "outside its tensors (compute-sanitizer names it) and may take the process down"))
+
 # ---- the reference kernels of kc.kernels -------------------------------------------------------
 
 
@@ -58,6 +72,22 @@ def gelu_no_store_mask(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32) * scale
     tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)))
+
+
+@triton.jit
+def gelu_no_load_mask(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs).to(tl.float32) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=offs < n)
+
+
+@triton.jit
+def gelu_fp16_scale(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):  # scaled in float16, then converted
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    x = (x * scale).to(tl.float32)
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
 
 
 @triton.jit
@@ -113,7 +143,12 @@ def test_04_1_accepts_correct(kernel):
 
 
 @pytest.mark.parametrize("kernel, hint", [
-    (gelu_no_store_mask, "mask the store with offs < n"),
+    # The address check: in the interpreter, a lane outside every tensor stops the launch and is named.
+    address_case(gelu_no_store_mask, "writes 24 lane(s) past the end of `y_ptr`, outside every tensor the kernel was given "
+                         "(it has no mask)"),
+    # The garbage read past x never reaches a stored element: only the address check sees it.
+    address_case(gelu_no_load_mask, "reads 24 lane(s) past the end of `x_ptr`, outside every tensor the kernel was given "
+                        "(it has no mask)"),
     (gelu_off_by_one, "the mask is offs < n"),
     (gelu_no_pid, "pid * BLOCK + tl.arange(0, BLOCK)"),
     (gelu_no_scale, "multiply x by scale first"),
@@ -121,6 +156,7 @@ def test_04_1_accepts_correct(kernel):
     # Compiled for a GPU, this version stays within the fp16 tolerance; only the interpreter tells it apart.
     pytest.param(gelu_fp16_math, "x.to(tl.float32)",
                  marks=pytest.mark.skipif(kc.world().gpu, reason="fp16 math only in the interpreter")),
+    dtype_case(gelu_fp16_scale, "(`x = (x * scale).to(tl.float32)`) computes in fp16: do the math in float32"),
     (gelu_plain_python, "@triton.jit"),
 ])
 def test_04_1_rejects_wrong(kernel, hint):
@@ -175,6 +211,17 @@ def bias_col_mask_only(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, 
 
 
 @triton.jit
+def bias_unmasked_bias_load(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):  # the bias past n_cols is read, never stored
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@triton.jit
 def bias_per_row(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -204,7 +251,10 @@ def test_04_2_accepts_correct(kernel):
 
 @pytest.mark.parametrize("kernel, hint", [
     (bias_ncols_stride, "stride_x elements apart"),
-    (bias_col_mask_only, "the mask needs both"),
+    address_case(bias_col_mask_only, "past the end of `x_ptr`, outside every tensor the kernel was given (its mask lets "
+                         "them through)"),
+    address_case(bias_unmasked_bias_load, "reads 15 lane(s) past the end of `b_ptr`, outside every tensor the kernel was "
+                              "given (it has no mask)"),
     (bias_per_row, "one value per column"),
     (bias_swapped_pids, "tl.program_id(0) runs over blocks of rows"),
 ])
@@ -298,6 +348,18 @@ def lsm_no_store_mask(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.conste
     tl.store(y_ptr + row * stride_y + cols, z - tl.log(tl.sum(tl.exp(z), axis=0)))
 
 
+@triton.jit
+def lsm_fp16_shift(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    # the shift and the final subtraction in the input's dtype: float16 arithmetic, float32 only for exp
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf"))
+    z = x - tl.max(x, axis=0).to(x.dtype)
+    y = z - tl.log(tl.sum(tl.exp(z.to(tl.float32)), axis=0)).to(x.dtype)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
 @pytest.mark.parametrize("kernel", [lsm_ok, lsm_ok_exp2])
 def test_04_3_accepts_correct(kernel):
     passed, text = grade("04.3", log_softmax_kernel=kernel)
@@ -310,7 +372,8 @@ def test_04_3_accepts_correct(kernel):
     (lsm_softmax, "that is softmax"),
     (lsm_forgets_max, "subtract the max from x as well"),
     (lsm_ncols_stride, "stride_x elements apart"),
-    (lsm_no_store_mask, "mask the store"),
+    dtype_case(lsm_fp16_shift, "(`z = x - tl.max(x, axis=0).to(x.dtype)`) computes in fp16: do the math in float32"),
+    address_case(lsm_no_store_mask, "past the end of `y_ptr`, outside every tensor the kernel was given (it has no mask)"),
 ])
 def test_04_3_rejects_wrong(kernel, hint):
     passed, text = grade("04.3", log_softmax_kernel=kernel)
@@ -405,10 +468,69 @@ def test_04_4_accepts_correct(kernel):
     (rms_block_mean, "not BLOCK"),
     (rms_no_eps, "add eps inside the square root"),
     (rms_no_weight, "multiply by the weight"),
-    (rms_fp16_stats, "statistics in float32"),
-    (rms_no_load_mask, "mask the load"),
+    dtype_case(rms_fp16_stats, "(`ms = tl.sum(x * x, axis=0) / n_cols`) computes in fp16: do the math in float32"),
+    address_case(rms_no_load_mask, "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
 ])
 def test_04_4_rejects_wrong(kernel, hint):
     passed, text = grade("04.4", rms_norm_kernel=kernel)
     assert not passed
     assert hint in text, text
+
+
+# ---- one harness ---------------------------------------------------------------------------------------
+
+
+def test_one_harness_shared_by_chapters_04_to_06():
+    from kernelcourse.grading import ch04, ch05, ch06, harness
+
+    # chapters 05 and later import the harness from ch04 too: the names stay, and are the harness's own
+    for name in ("not_a_kernel", "torch_dtype", "framed", "launch", "diagnose", "compare_rows", "rand", "sizes",
+                 "tolerance", "exact", "host", "data_mask", "outside_writes", "nothing_written", "STUB", "NAN"):
+        assert getattr(ch04, name) is getattr(harness, name), name
+    assert ch05.diagnose is harness.diagnose and ch06.diagnose is harness.diagnose
+    assert not any(hasattr(ch06, n) for n in ("_framed_heads", "_torch_dtype", "_matches", "_diagnose"))
+
+
+def test_the_tolerance_rule_is_compares():
+    import numpy as np
+
+    from kernelcourse.grading import compare, harness
+
+    truth = np.linspace(-3, 5, 50)
+    reference = truth + np.where(np.arange(50) == 7, 1e-4, 0.0)
+    tol = harness.tolerance(truth, reference, np.float32)
+    assert tol == pytest.approx(2e-4)
+    assert compare((truth + 0.9 * tol).astype(np.float32), truth, reference, what="x",
+                   rtol_floor=harness.rounding_floor(np.float32))[0]
+    assert not compare((truth + 1.5 * tol).astype(np.float32), truth, reference, what="x",
+                       rtol_floor=harness.rounding_floor(np.float32))[0]
+
+
+def test_diagnose_names_the_nearest_mistake_and_nothing_for_a_mistake_that_changes_nothing():
+    import numpy as np
+
+    from kernelcourse.grading.harness import diagnose
+
+    truth = np.arange(1.0, 6.0)
+    mistakes = [("doubled", 2 * truth), ("shifted", truth + 1), ("same", truth + 1e-9)]
+    assert diagnose(2 * truth + 1e-3, mistakes, truth=truth) == "doubled"
+    assert diagnose(truth + 1.01, mistakes, truth=truth) == "shifted"
+    assert diagnose(truth + 0.5, mistakes, truth=truth) is None
+    assert diagnose(np.full(5, np.nan), [("nan", np.full(5, np.nan))], truth=truth) == "nan"
+
+
+def test_call_stops_an_exercise_on_an_exception_or_none():
+    from kernelcourse.grading import Report, Stop, call
+
+    lines = []
+    report = Report(exercise=None, sink=lines.append)
+    assert call(report, "f()", lambda: 3) == 3
+    with pytest.raises(Stop):
+        call(report, "f()", lambda: 1 / 0)
+    with pytest.raises(Stop):
+        call(report, "g()", lambda: None)
+    assert len(lines) == 2 and lines[0].startswith("✘ f(): ZeroDivisionError: division by zero (line ")
+    assert lines[1] == "✘ g() returned None: did you forget `return`?"
+    # in a grader, the stop ends that exercise with its one line
+    passed, text = grade("04.1", scale_gelu_kernel=gelu_plain_python)
+    assert not passed and text.count("✘") == 1

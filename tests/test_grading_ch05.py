@@ -12,6 +12,13 @@ from kernelcourse import kernels
 from kernelcourse.grading import ch05
 from tests.helpers import grade
 
+
+def address_case(kernel, hint):
+    """A wrong kernel that only the interpreter's address check names (skipped on a GPU)."""
+    return pytest.param(kernel, hint, marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the address check runs in Triton's interpreter; on a GPU this kernel touches memory "
+                               "outside its tensors (compute-sanitizer names it) and may take the process down"))
+
 # ---- the reference matmul of kc.kernels --------------------------------------------------------
 
 
@@ -63,7 +70,7 @@ def test_05_1_accepts_correct(fn):
     (ch05._row_major, "row-major order"),
     (ch05._full_groups_only, "the last group can be shorter"),
     (lambda m, n, nm, nn, g: n * min(nm - m // g * g, g) + m % g, "the groups before this one"),
-    (lambda m, n, nm, nn, g: m + n, "you said"),
+    (lambda m, n, nm, nn, g: m + n, "the groups before this one hold first_pid_m * num_pid_n programs"),
     (lambda m, n, nm, nn, g: None, "forget `return`"),
     (lambda m, n, nm, nn, g: (m, n), "is an int"),
 ])
@@ -97,9 +104,9 @@ def mm_ok(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_
 
 
 @triton.jit
-def mm_ok_k_offsets(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+def mm_k_mask_only(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                     stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # recomputes the pointers from k0 each step instead of advancing them; += on the accumulator
+    # recomputes the pointers from k0 each step, but masks only the K tail: B's columns past N are read
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -199,8 +206,8 @@ def mm_no_store_mask(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -227,18 +234,39 @@ def mm_assumes_row_major_b(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
     tl.store(c_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-@pytest.mark.parametrize("kernel", [mm_ok, mm_ok_k_offsets])
+@triton.jit
+def mm_ok_wrapped(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # rows and columns wrapped with % M and % N (every address inside A and B), only the K tail masked
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak, mask=rk[None, :] < K, other=0.0)
+        b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=rk[:, None] < K, other=0.0)
+        acc += tl.dot(a, b)
+    om = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    on = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(c_ptr + om[:, None] * stride_cm + on[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(om[:, None] < M) & (on[None, :] < N))
+
+
+@pytest.mark.parametrize("kernel", [mm_ok, mm_ok_wrapped])
 def test_05_2_accepts_correct(kernel):
     passed, text = grade("05.2", matmul_kernel=kernel)
     assert passed, text
 
 
 @pytest.mark.parametrize("kernel, hint", [
-    (mm_no_k_mask, "mask the loads with offs_k < K - k * BLOCK_K"),
+    address_case(mm_no_k_mask, "(its mask lets them through)"),
+    # B's columns past N (and A's rows past M) are read and never stored: only the address check sees it.
+    address_case(mm_k_mask_only, "past the end of `b_ptr`, outside every tensor the kernel was given (its mask lets them "
+                      "through)"),
     (mm_floor_steps, "loop over tl.cdiv(K, BLOCK_K) steps"),
     (mm_no_advance, "advance a_ptrs by BLOCK_K * stride_ak"),
     (mm_overwrites_acc, "add each step to the accumulator"),
-    (mm_no_store_mask, "mask the store"),
+    address_case(mm_no_store_mask, "past the end of `c_ptr`, outside every tensor the kernel was given (it has no mask)"),
     (mm_assumes_row_major_b, "check the strides"),
 ])
 def test_05_2_rejects_wrong(kernel, hint):

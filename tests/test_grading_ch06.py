@@ -3,12 +3,21 @@ different but correct answers are accepted. Kernels run in Triton's interpreter 
 import math
 
 import pytest
+
+import kernelcourse as kc
 import torch
 import triton
 import triton.language as tl
 
 import kernelcourse as kc
 from tests.helpers import grade
+
+
+def address_case(kernel, hint):
+    """A wrong kernel that only the interpreter's address check names (skipped on a GPU)."""
+    return pytest.param(kernel, hint, marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the address check runs in Triton's interpreter; on a GPU this kernel touches memory "
+                               "outside its tensors (compute-sanitizer names it) and may take the process down"))
 
 # ---- 06.1 combine split-KV partial results -------------------------------------------------------
 
@@ -133,6 +142,20 @@ def stats_two_passes(blocks):
     return m, sum(float(torch.exp(x - m).sum()) for x in xs)
 
 
+def stats_max_from_zero(blocks):  # the running max started at 0: a row below 0 underflows
+    m, l = torch.tensor(0.0), torch.tensor(0.0)
+    for x in blocks:
+        m_new = torch.maximum(m, x.max())
+        l = l * torch.exp(m - m_new) + torch.exp(x - m_new).sum()
+        m = m_new
+    return m, l
+
+
+def stats_whole_row(blocks):  # one pass over the blocks, but the whole row held at once
+    x = torch.cat(list(blocks))
+    return x.max(), torch.exp(x - x.max()).sum()
+
+
 @pytest.mark.parametrize("fn", [stats_ok, stats_ok_logaddexp])
 def test_06_2_accepts_correct(fn):
     passed, text = grade("06.2", online_softmax_stats=fn)
@@ -145,6 +168,8 @@ def test_06_2_accepts_correct(fn):
     (stats_inverted, "exp(m_old - m_new), at most 1"),
     (stats_first_max, "not the first block's"),
     (stats_two_passes, "only once"),
+    (stats_max_from_zero, "start the running max at -inf, not 0: on a row whose values are all below 0"),
+    (stats_whole_row, "as large as the whole row of 40 values: keep only the running max and sum"),
 ])
 def test_06_2_rejects_wrong(fn, hint):
     passed, text = grade("06.2", online_softmax_stats=fn)
@@ -202,10 +227,11 @@ def tiled_whole_matrix(q, k, v, block_n, causal=False):
     return torch.softmax(s, dim=1) @ v, torch.logsumexp(s, dim=1)
 
 
-def _variant(no_acc=False, no_l=False, last_tile=True, no_max=False, lse_plain=False, mask=None):
+def _variant(no_acc=False, no_l=False, last_tile=True, no_max=False, lse_plain=False, mask=None,
+             max_from_zero=False):
     def fn(q, k, v, block_n, causal=False):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        m = torch.full((q.shape[0],), 0.0 if no_max else float("-inf"))
+        m = torch.full((q.shape[0],), 0.0 if no_max or max_from_zero else float("-inf"))
         l = torch.zeros(q.shape[0])
         acc = torch.zeros(q.shape[0], v.shape[-1])
         stop = k.shape[0] if last_tile else (k.shape[0] // block_n) * block_n
@@ -241,6 +267,7 @@ def test_06_3_accepts_correct(fn):
     (_variant(no_acc=True, no_l=True), "computed before m is updated"),
     (_variant(last_tile=False), "the last tile of keys is partial"),
     (_variant(no_max=True), "subtract the running max"),
+    (_variant(max_from_zero=True, mask="ok"), "start the running max at -inf, not 0: when every score of a row is far below 0"),
     (_variant(lse_plain=True), "not m + l"),
     (_variant(mask="strict"), "not j >= i"),
     (_variant(mask="bottom_right"), "counted from the start of both sequences"),
@@ -260,7 +287,8 @@ def test_06_3_rejects_wrong(fn, hint):
 @triton.jit
 def _inner(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, stride_vh, stride_oh, N_Q, N_K,
            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_SCORES: tl.constexpr,
-           MASK_LOADS: tl.constexpr, RESCALE_ACC: tl.constexpr, EXP2: tl.constexpr, SUB_MAX: tl.constexpr):
+           MASK_LOADS: tl.constexpr, RESCALE_ACC: tl.constexpr, EXP2: tl.constexpr, SUB_MAX: tl.constexpr,
+           MAX_FROM_ZERO: tl.constexpr):
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -270,7 +298,10 @@ def _inner(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, stride_vh
                 mask=offs_m[:, None] < N_Q, other=0.0)
     k_head = k_ptr + off_h * stride_kh
     v_head = v_ptr + off_h * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if MAX_FROM_ZERO:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start_n in range(0, N_K, BLOCK_N):
@@ -312,7 +343,8 @@ class Variant:
     """_inner with its switches fixed: launched as kernel[grid](...) like the learner's kernel."""
 
     def __init__(self, **switches):
-        self.switches = dict(MASK_SCORES=True, MASK_LOADS=True, RESCALE_ACC=True, EXP2=True, SUB_MAX=True)
+        self.switches = dict(MASK_SCORES=True, MASK_LOADS=True, RESCALE_ACC=True, EXP2=True, SUB_MAX=True,
+                             MAX_FROM_ZERO=False)
         self.switches.update(switches)
         self.fn = _inner.fn
 
@@ -369,10 +401,11 @@ def test_06_4_accepts_correct(kernel):
 
 @pytest.mark.parametrize("kernel, hint", [
     (Variant(MASK_SCORES=False), "set their scores to -inf"),
-    (Variant(MASK_LOADS=False), "0 times a NaN value is NaN"),
+    address_case(Variant(MASK_LOADS=False), "past the end of `v_ptr`, outside every tensor the kernel was given (it has no mask)"),
     (Variant(RESCALE_ACC=False), "rescale acc too"),
     (Variant(EXP2=False), "qk_scale already holds log2(e)"),
     (Variant(SUB_MAX=False), "subtract the running max before exp2"),
+    (Variant(MAX_FROM_ZERO=True), "start m_i at -inf, not 0: when every score of a row is far below 0"),
     (inner_plain_python, "@triton.jit"),
 ])
 def test_06_4_rejects_wrong(kernel, hint):
@@ -467,6 +500,9 @@ def test_06_6_accepts_correct(lse_fn, probs_fn):
     (lse_ok, lambda q, k, lse, sc: torch.exp(q @ k.T - lse[:, None]), "scale the scores first"),
     (lse_ok, lambda q, k, lse, sc: torch.exp2(q @ k.T * sc - lse[:, None]), "lse is a natural log"),
     (lse_ok, lambda q, k, lse, sc: None, "forget `return`"),
+    # recomputing the softmax with a max and a sum of its own, instead of using the lse it was given
+    (lse_ok, lambda q, k, lse, sc: torch.softmax(q @ k.T * sc, dim=-1),
+     "P = exp(s - lse) with the lse given: no max and no sum of your own"),
 ])
 def test_06_6_rejects_wrong(lse_fn, probs_fn, hint):
     passed, text = grade("06.6", lse_from_state=lse_fn, probs_from_lse=probs_fn)

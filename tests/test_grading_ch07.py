@@ -279,7 +279,7 @@ def test_07_5_rejects_unmasked_rows(tmp_path):
         pytest.skip("an unmasked load past the data may crash a GPU process; the interpreter reads the NaN frame")
     passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("no_mask", tmp_path))
     assert not passed
-    assert "mask=offs_m < N_Q" in text or "NaN" in text, text
+    assert "mask=offs_m < N_Q" in text or "NaN" in text or "outside every tensor the kernel was given" in text, text
 
 
 def test_07_5_rejects_a_plain_function():

@@ -37,6 +37,10 @@ class TimeLimit(Exception):
     pass
 
 
+class Stop(Exception):
+    """Ends the grading of an exercise after its failing line was recorded (raised by ``call``)."""
+
+
 @dataclass
 class Exercise:
     id: str
@@ -78,12 +82,15 @@ class Report:
     failures: int = 0
     skipped: int = 0
     sink: Callable[[str], None] = lambda line: print(line, flush=True)
+    seed: int | None = None  # set by ``fresh_rng``: failing lines name it, so the cases can be drawn again
 
     def ok(self, what: str) -> None:
         self._add(f"{PASS} {what}")
 
     def fail(self, what: str) -> None:
         self.failures += 1
+        if self.seed is not None:
+            what += f" [seed {self.seed}: {SEED_VARIABLE}={self.seed} draws these cases again]"
         self._add(f"{FAIL} {what}")
 
     def not_graded(self, what: str) -> None:
@@ -98,6 +105,21 @@ class Report:
     def expect(self, condition: bool, passed: str, failed: str) -> bool:
         (self.ok if condition else self.fail)(passed if condition else failed)
         return condition
+
+
+SEED_VARIABLE = "KC_GRADE_SEED"
+
+
+def fresh_rng(report: Report) -> np.random.Generator:
+    """A generator for this run's cases: drawn fresh on every run, so that a table of answers cannot pass.
+
+    The seed comes from the environment variable ``KC_GRADE_SEED`` when it is set (to draw a failing
+    run's cases again: ``os.environ["KC_GRADE_SEED"] = "123456"`` in the notebook), else at random;
+    every failing line of the report names it.
+    """
+    text = os.environ.get(SEED_VARIABLE, "").strip()
+    report.seed = int(text) if text.isdigit() else int(np.random.SeedSequence().entropy % 1_000_000)
+    return np.random.default_rng(report.seed)
 
 
 @contextmanager
@@ -136,9 +158,14 @@ def explain(exc: BaseException) -> str:
         return f"{exc}: is there a loop that never ends?"
     if isinstance(exc, NotImplementedError):
         return "not written yet (the stub raises NotImplementedError)"
+    from .addresses import SANITIZER, interpreter_error
+
+    if (bad := interpreter_error(exc)) is not None:
+        return str(bad)
     if "illegal memory access" in str(exc).lower() or "illegal address" in str(exc).lower():
         return ("the GPU reported an illegal memory access (a load or store outside any allocation); "
-                "this process's GPU context is now unusable: fix the masks, then restart the kernel")
+                "this process's GPU context is now unusable: fix the masks, then restart the kernel; "
+                f"{SANITIZER} and see which load it was")
     if isinstance(exc, IndexError) or "out of bounds" in str(exc).lower():
         # the simulator names the first thread that failed, which varies from run to run: leave it out
         return f"out-of-bounds access{where(exc)}: a thread past the end of the data read or wrote memory"
@@ -171,12 +198,17 @@ def check(exercise_id: str, namespace: dict) -> None:
 
 
 def _grade_here(ex: Exercise, objects: dict, report: Report) -> None:
+    from .addresses import checked
+
     try:
         # Wrong answers overflow and divide by zero on purpose-made inputs: the grader's line says so,
         # and NumPy's or PyTorch's warnings about it would only add noise under it.
-        with time_limit(ex.time_limit_s), np.errstate(all="ignore"), warnings.catch_warnings():
+        # In Triton's interpreter, every load and store is checked against the tensors a launch was given.
+        with time_limit(ex.time_limit_s), np.errstate(all="ignore"), warnings.catch_warnings(), checked():
             warnings.simplefilter("ignore")
             ex.grade(report, **objects)
+    except Stop:  # the line saying why was recorded where the grader stopped
+        pass
     except Exception as exc:  # learner code is allowed to fail in any way; grading goes on
         report.fail(explain(exc))
 
@@ -259,6 +291,23 @@ def guarded(report: Report, what: str, fn, *args, **kwargs):
         return None
 
 
+def call(report: Report, what: str, fn, *args, **kwargs):
+    """Call learner code and return what it returned; if it raises or returns None, record one line
+    for ``what`` and stop grading this exercise (``Stop``, caught by the framework). The one way a
+    grader calls learner code that must return something."""
+    try:
+        got = fn(*args, **kwargs)
+    except (TimeLimit, Stop):
+        raise
+    except Exception as exc:
+        report.fail(f"{what}: {explain(exc)}")
+        raise Stop from exc
+    if got is None:
+        report.fail(f"{what} returned None: did you forget `return`?")
+        raise Stop
+    return got
+
+
 def as_number(report: Report, what: str, got) -> float | None:
     """The learner's return value as a float, or None after recording why it is not a number."""
     if got is None:
@@ -278,11 +327,13 @@ def as_number(report: Report, what: str, got) -> float | None:
     return value
 
 
-def number(report: Report, what: str, fn, *args) -> float | None:
-    """Call learner code that should return a number; None after recording why it did not."""
-    before = report.failures
-    got = guarded(report, what, fn, *args)
-    return None if report.failures > before else as_number(report, what, got)
+def number(report: Report, what: str, fn, *args) -> float:
+    """Call learner code that should return a number (``call``); if it does not, record why and stop
+    grading this exercise."""
+    value = as_number(report, what, call(report, what, fn, *args))
+    if value is None:
+        raise Stop
+    return value
 
 
 # ---- comparing outputs ------------------------------------------------------------------------
@@ -297,6 +348,19 @@ def poisoned(shape, dtype=np.float32) -> np.ndarray:
 def _index(flat_i: int, shape) -> str:
     idx = np.unravel_index(flat_i, shape)
     return str(int(idx[0])) if len(shape) == 1 else str(tuple(int(i) for i in idx))
+
+
+def tolerance_of(truth, reference, rtol_floor: float) -> float:
+    """The graders' one tolerance rule: twice the worst error of ``reference`` (the same computation by
+    PyTorch or NumPy at the output's precision) against the float64 ``truth``, and at least
+    ``rtol_floor`` times the largest value of the truth."""
+    truth = np.asarray(truth, dtype=np.float64)
+    if not truth.size:
+        return 0.0
+    tol = rtol_floor * float(np.max(np.abs(truth)))
+    if reference is not None:
+        tol = max(tol, 2 * float(np.max(np.abs(np.asarray(reference, np.float64) - truth))))
+    return tol
 
 
 def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None = None,
@@ -326,10 +390,7 @@ def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None =
         idx = np.flatnonzero(bad)
         return False, f"{what}: {idx.size} elements are NaN or Inf (first at index {_index(idx[0], got.shape)})"
     eps = float(np.finfo(got.dtype).eps) if np.issubdtype(got.dtype, np.floating) else 0.0
-    scale = float(np.max(np.abs(truth))) if truth.size else 0.0
-    tol = (rtol_floor if rtol_floor is not None else eps) * scale
-    if reference is not None:
-        tol = max(tol, 2 * float(np.max(np.abs(np.asarray(reference, np.float64) - truth))))
+    tol = tolerance_of(truth, reference, rtol_floor if rtol_floor is not None else eps)
     err = np.abs(g - truth)
     worst = int(np.argmax(err)) if err.size else 0
     if err.size and err.flat[worst] > tol:

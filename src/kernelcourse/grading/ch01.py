@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, explain, guarded, number, poisoned
+from . import POISON, Report, call, compare, exercise, explain, fresh_rng, number, poisoned
 
 GUARD = 64  # poisoned elements past the end of every output, to catch writes beyond n
 
@@ -71,20 +71,37 @@ def grade_add_kernel(report: Report, add_kernel):
                 return
             truth = x.astype(np.float64) + y.astype(np.float64)
             passed, line = compare(out, truth, x + y, what=what)
+            if not passed:
+                mistakes = [(x + x, "out[i] = x[i] + x[i]: add y[i], not x[i] twice"),
+                            (y + y, "out[i] = y[i] + y[i]: add x[i], not y[i] twice"),
+                            (x - y, "that is x - y: out[i] = x[i] + y[i]"), (x * y, "that is x * y: out[i] = x[i] + y[i]"),
+                            (x, "out holds x alone: out[i] = x[i] + y[i]")]
+                hint = next((h for wrong, h in mistakes if np.allclose(out, wrong, rtol=1e-6, atol=0)), None)
+                line += f": {hint}" if hint else ""
             if not report.expect(passed, line, line):
                 return
 
 
 @exercise("01.2", "grid size for n elements", names=("grid_size",), time_limit_s=10)
 def grade_grid_size(report: Report, grid_size):
-    cases = [(1, 256), (256, 256), (257, 256), (1000, 128), (4099, 1024), (1 << 26, 1024), ((1 << 53) + 1, 1)]
+    rng = fresh_rng(report)
+
+    def block() -> int:
+        return int(rng.choice([32, 64, 96, 128, 192, 256, 384, 512, 1000, 1024]))
+
+    def blocks(low, high) -> int:
+        return int(rng.integers(low, high))
+
+    # Fresh every run, on both sides of every boundary: a partial last block first (floor division fails
+    # it, a "+ 1" passes), then an exact multiple (a "+ 1" fails it), fewer elements than one block, a
+    # block of one thread, and n past 2^53, where float division rounds.
+    b = [block() for _ in range(5)]
+    cases = [(blocks(2, 5000) * b[0] + int(rng.integers(1, b[0])), b[0]), (blocks(1, 5000) * b[1], b[1]),
+             (int(rng.integers(1, b[2])), b[2]), (blocks(1, 5000) * b[3] - 1, b[3]), (blocks(1, 10**6), 1),
+             ((1 << 53) + 2 * blocks(0, 10**6) + 1, 1), ((1 << 54) + b[4] * blocks(0, 10**6) + 1, b[4])]
     for n, block in cases:
         want = -(-n // block)
-        got = guarded(report, f"grid_size({n}, {block})", grid_size, n, block)
-        if got is None:
-            if report.failures == 0:
-                report.fail(f"grid_size({n}, {block}) returned None: did you forget `return`?")
-            return
+        got = call(report, f"grid_size({n}, {block})", grid_size, n, block)
         if not isinstance(got, (int, np.integer)):
             report.fail(f"grid_size({n}, {block}) returned {got!r} of type {type(got).__name__}: "
                         "a launch needs a whole number of blocks (an int)")
@@ -92,12 +109,12 @@ def grade_grid_size(report: Report, grid_size):
         if got == want:
             report.ok(f"grid_size({n}, {block}) = {want}")
             continue
-        if got == n // block:
+        if n > 1 << 52:  # checked first: here a rounded float is off by one either way
+            hint = "float division rounds large n; use integer ceil-div (n + block - 1) // block"
+        elif got == n // block:
             hint = "floor division drops the last, partial block"
         elif got == n // block + 1:
             hint = "one block too many when n is a multiple of the block size"
-        elif n > 1 << 52:
-            hint = "float division rounds large n; use integer ceil-div (n + block - 1) // block"
         else:
             hint = "the grid needs ceil(n / block) blocks"
         report.fail(f"grid_size({n}, {block}) returned {got}, expected {want}: {hint}")
@@ -152,6 +169,8 @@ def grade_axpy(report: Report, axpy_kernel):
                         "grid (cuda.gridsize(1)), so each element belongs to exactly one thread")
             return
         passed, line = compare(y, truth, y0 + a * x, what=what)
+        if not passed and np.allclose(y, a * x, rtol=1e-6, atol=0):
+            line += ": y holds a * x alone: add to it, y[i] += a * x[i] (y's old value is part of the result)"
         if not report.expect(passed, line, line):
             return
 
@@ -187,7 +206,12 @@ def grade_matrix_add(report: Report, matrix_add_kernel):
 
 @exercise("01.5", "effective bandwidth from a timing", names=("vector_add_gbps",), time_limit_s=10)
 def grade_gbps(report: Report, vector_add_gbps):
-    cases = [(1 << 26, 4, 0.2741), (1000, 4, 0.0031), (3_000_001, 2, 0.0125), (1 << 28, 8, 2.17)]
+    rng = fresh_rng(report)
+    # fresh every run; the first case has itemsize > 1, so that a missing itemsize shows there
+    cases = [(int(rng.integers(10**6, 10**9)), int(rng.choice([2, 4, 8])), round(float(rng.uniform(0.05, 5)), 4)),
+             (int(rng.integers(100, 10**4)), 4, round(float(rng.uniform(0.002, 0.01)), 5)),
+             (int(rng.integers(10**5, 10**7)), int(rng.choice([1, 2])), round(float(rng.uniform(0.005, 0.5)), 4)),
+             (int(rng.integers(10**8, 10**9)), 8, round(float(rng.uniform(0.5, 5)), 3))]
     for n, itemsize, ms in cases:
         want = 3 * n * itemsize / (ms * 1e-3) / 1e9
         got = number(report, f"vector_add_gbps({n}, {itemsize}, {ms})", vector_add_gbps, n, itemsize, ms)

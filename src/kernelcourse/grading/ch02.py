@@ -1,10 +1,12 @@
 """Graders for chapter 02, roofline analysis: reading measurements (02.1, 02.3, 02.4) and the formulas
 behind them: FLOPs, bytes, ridge, bounds (02.2, 02.5-02.8).
 
-The formula exercises take plain numbers. Each grader calls the learner's function on several inputs (drawn from
-fixed seeds, so the output lines are the same on every run, and never zero), compares with the answer
-at a relative tolerance of 1e-4, and on a mismatch recognises the usual mistakes by recomputing them
-("you counted the output twice") before falling back to a hint about the formula.
+The formula exercises take plain numbers. Each grader calls the learner's function on several inputs,
+drawn fresh on every run (the seed is on every failing line, and ``KC_GRADE_SEED`` draws the same cases
+again) and never zero, compares with the answer at a relative tolerance of 1e-4, and on a mismatch
+recognises the usual mistakes by recomputing them ("you counted the output twice") before falling back
+to a hint about the formula. The first case is drawn so that the usual mistakes all give different
+numbers there, so the hint names the right one.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import Report, as_number, exercise, guarded
+from . import Report, Stop, as_number, call, exercise, fresh_rng, guarded
 
 RTOL = 1e-4
 
@@ -22,10 +24,9 @@ def _close(a: float, b: float, rtol: float = RTOL) -> bool:
 
 
 def _call(report: Report, fn, name: str, args: dict):
-    call = f"{name}({', '.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in args.items())})"
-    failures = report.failures
-    got = guarded(report, call, fn, *args.values())  # positional: the learner may rename parameters
-    return call, got, report.failures > failures
+    """(the call as text, what it returned); stops the exercise if it raised or returned None."""
+    asked = f"{name}({', '.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in args.items())})"
+    return asked, call(report, asked, fn, *args.values())  # positional: the learner may rename parameters
 
 
 def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutants, unit: str,
@@ -35,20 +36,28 @@ def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutan
     ``truth(**case)`` is the answer; ``mutants(**case)`` lists ``(wrong value, hint)`` pairs.
     """
     for case in cases:
-        call, got, raised = _call(report, fn, name, case)
-        if raised:
-            return
-        value = as_number(report, call, got)
+        asked, got = _call(report, fn, name, case)
+        value = as_number(report, asked, got)
         if value is None:
-            return
+            raise Stop
         want = truth(**case)
         if _close(value, want):
-            report.ok(f"{call} = {want:.6g} {unit}")
+            report.ok(f"{asked} = {want:.6g} {unit}")
             continue
         hint = next((h for wrong, h in mutants(**case) if _close(value, wrong) and not _close(wrong, want)),
                     fallback)
-        report.fail(f"{call} returned {value:.6g}, expected {want:.6g} {unit}: {hint}")
+        report.fail(f"{asked} returned {value:.6g}, expected {want:.6g} {unit}: {hint}")
         return
+
+
+def separating(rng, draw, truth, mutants, tries: int = 1000) -> dict:
+    """A case from ``draw(rng)`` on which the answer and every known mistake give different numbers."""
+    for _ in range(tries):
+        case = draw(rng)
+        values = [truth(**case)] + [wrong for wrong, _ in mutants(**case)]
+        if all(not _close(a, b) for i, a in enumerate(values) for b in values[i + 1:]):
+            return case
+    return case
 
 
 # ---- 02.2 FLOPs and minimal bytes of a matmul -------------------------------------------------------------
@@ -56,26 +65,23 @@ def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutan
 
 @exercise("02.2", "FLOPs and minimal bytes of a matmul", names=("matmul_flops_bytes",), time_limit_s=10)
 def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
-    rng = np.random.default_rng(202)
-    # not square, so that mixing up M, N and K shows; itemsize 2 and 1 so that a hard-coded 4 shows
-    cases = [{"M": 4096, "N": 4096, "K": 4096, "itemsize": 2},
-             {"M": int(rng.integers(2, 300)), "N": int(rng.integers(300, 5000)), "K": int(rng.integers(10, 80)),
+    rng = fresh_rng(report)
+    # fresh every run; not square, so that mixing up M, N and K shows; itemsize 2 and 1 first, so that
+    # a hard-coded 4 shows at once
+    cases = [{"M": int(rng.integers(2, 300)), "N": int(rng.integers(300, 5000)), "K": int(rng.integers(10, 80)),
               "itemsize": 2},
-             {"M": 1, "N": 8192, "K": 8192, "itemsize": 1},
-             {"M": int(rng.integers(500, 3000)), "N": 7, "K": int(rng.integers(3000, 9000)), "itemsize": 4}]
+             {"M": 1, "N": int(rng.integers(1000, 9000)), "K": int(rng.integers(1000, 9000)), "itemsize": 1},
+             {"M": int(rng.integers(500, 3000)), "N": 7, "K": int(rng.integers(3000, 9000)), "itemsize": 4},
+             {"M": int(rng.integers(1000, 9000)), "N": int(rng.integers(1000, 9000)),
+              "K": int(rng.integers(1000, 9000)), "itemsize": 8}]
     for case in cases:
         M, N, K, s = case["M"], case["N"], case["K"], case["itemsize"]
-        call, got, raised = _call(report, matmul_flops_bytes, "matmul_flops_bytes", case)
-        if raised:
-            return
-        if got is None:
-            report.fail(f"{call} returned None: did you forget `return`?")
-            return
+        asked, got = _call(report, matmul_flops_bytes, "matmul_flops_bytes", case)
         if isinstance(got, (str, bytes)) or not hasattr(got, "__len__") or len(got) != 2:
-            report.fail(f"{call} returned {got!r}: return a pair (flops, nbytes)")
+            report.fail(f"{asked} returned {got!r}: return a pair (flops, nbytes)")
             return
-        flops = as_number(report, f"{call}[0] (flops)", got[0])
-        nbytes = as_number(report, f"{call}[1] (nbytes)", got[1])
+        flops = as_number(report, f"{asked}[0] (flops)", got[0])
+        nbytes = as_number(report, f"{asked}[1] (nbytes)", got[1])
         if flops is None or nbytes is None:
             return
         want_flops = 2 * M * N * K
@@ -87,7 +93,7 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
                 hint = "flops and nbytes are swapped: return (flops, nbytes)"
             else:
                 hint = "C has M·N elements, each a dot product of length K (K multiplies and K adds)"
-            report.fail(f"{call}: flops {flops:.6g}, expected {want_flops:.6g}: {hint}")
+            report.fail(f"{asked}: flops {flops:.6g}, expected {want_flops:.6g}: {hint}")
             return
         if not _close(nbytes, want_bytes):
             mutants = [
@@ -102,9 +108,9 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
             ]
             hint = next((h for wrong, h in mutants if _close(nbytes, wrong) and not _close(wrong, want_bytes)),
                         "A is M×K, B is K×N, C is M×N: read A and B once, write C once")
-            report.fail(f"{call}: nbytes {nbytes:.6g}, expected {want_bytes:.6g}: {hint}")
+            report.fail(f"{asked}: nbytes {nbytes:.6g}, expected {want_bytes:.6g}: {hint}")
             return
-        report.ok(f"{call} = ({want_flops:.6g} FLOPs, {want_bytes:.6g} bytes): "
+        report.ok(f"{asked} = ({want_flops:.6g} FLOPs, {want_bytes:.6g} bytes): "
                   f"intensity {want_flops / want_bytes:.4g} FLOP/B")
 
 
@@ -113,10 +119,11 @@ def grade_matmul_flops_bytes(report: Report, matmul_flops_bytes):
 
 @exercise("02.5", "ridge point from two ceilings", names=("ridge_point",), time_limit_s=10)
 def grade_ridge_point(report: Report, ridge_point):
-    rng = np.random.default_rng(205)
-    cases = [{"peak_tflops": 989.5, "bandwidth_gbps": 3350.0}, {"peak_tflops": 65.0, "bandwidth_gbps": 300.0}]
-    cases += [{"peak_tflops": round(float(rng.uniform(5, 1000)), 1),
-               "bandwidth_gbps": round(float(rng.uniform(200, 5000)), 1)} for _ in range(2)]
+    rng = fresh_rng(report)
+
+    def draw(rng):
+        return {"peak_tflops": round(float(rng.uniform(5, 1000)), 1),
+                "bandwidth_gbps": round(float(rng.uniform(200, 5000)), 1)}
 
     def truth(peak_tflops, bandwidth_gbps):
         return peak_tflops * 1e12 / (bandwidth_gbps * 1e9)
@@ -133,6 +140,7 @@ def grade_ridge_point(report: Report, ridge_point):
             (peak_tflops * 1e12 / (bandwidth_gbps * 1e6), "GB/s is 10^9 bytes per second"),
         ]
 
+    cases = [separating(rng, draw, truth, mutants)] + [draw(rng) for _ in range(3)]
     _grade_number(report, ridge_point, "ridge_point", cases, truth, mutants, "FLOP/B",
                   "the ridge is the intensity where intensity × bandwidth = peak: peak FLOP/s ÷ bytes/s")
 
@@ -142,28 +150,26 @@ def grade_ridge_point(report: Report, ridge_point):
 
 @exercise("02.6", "memory- or compute-bound", names=("classify",), time_limit_s=10)
 def grade_classify(report: Report, classify):
-    rng = np.random.default_rng(206)
-    gpus = [(989.5, 3350.0), (65.0, 300.0), (19.5, 2039.0)]
+    rng = fresh_rng(report)
     cases = []
-    # intensities on both sides of the ridge, some close to it, one a bit past ridge / 1000
-    for factor in (0.01, 0.5, 0.9, 1.15, 3.0, 200.0, 0.004):
-        peak, bw = gpus[len(cases) % len(gpus)]
+    # Fresh every run. Intensities far from the ridge on both sides, a bit past ridge / 1000 (a ridge
+    # in TFLOP/s ÷ GB/s), and within a few percent of it on both sides: a ridge in GiB/s (7% off) or
+    # in 2^40 / 2^30 units (2.4% off) puts those on the wrong side.
+    factors = [0.01, 200.0, 0.004, float(rng.uniform(1.005, 1.02)), float(rng.uniform(0.98, 0.995)),
+               float(rng.uniform(1.03, 1.06)), float(rng.uniform(0.94, 0.97)), 0.5, 3.0]
+    for factor in factors:
+        peak, bw = round(float(rng.uniform(10, 1000)), 1), round(float(rng.uniform(200, 5000)), 1)
         nbytes = int(rng.integers(10**6, 10**9))
         ridge = peak * 1e12 / (bw * 1e9)
         cases.append({"flops": int(factor * ridge * nbytes), "nbytes": nbytes, "peak_tflops": peak,
                       "bandwidth_gbps": bw})
     answers = []
     for case in cases:
-        call, got, raised = _call(report, classify, "classify", case)
-        if raised:
-            return
-        if got is None:
-            report.fail(f"{call} returned None: did you forget `return`?")
-            return
+        asked, got = _call(report, classify, "classify", case)
         if got not in ("memory", "compute"):
-            report.fail(f"{call} returned {got!r}: return the string 'memory' or 'compute'")
+            report.fail(f"{asked} returned {got!r}: return the string 'memory' or 'compute'")
             return
-        answers.append((call, got))
+        answers.append((asked, got))
     wants = []
     for case in cases:
         ridge = case["peak_tflops"] * 1e12 / (case["bandwidth_gbps"] * 1e9)
@@ -172,17 +178,20 @@ def grade_classify(report: Report, classify):
         report.fail(f"{answers[0][0]} returned {answers[0][1]!r}: every answer is swapped: an op left of the "
                     "ridge (intensity below it) is memory-bound, right of it compute-bound")
         return
-    for case, (call, got), (want, ridge) in zip(cases, answers, wants):
+    for case, (asked, got), (want, ridge) in zip(cases, answers, wants):
         i = case["flops"] / case["nbytes"]
         if got == want:
-            report.ok(f"{call} = {want!r} (intensity {i:.4g} FLOP/B, ridge {ridge:.4g} FLOP/B)")
+            report.ok(f"{asked} = {want!r} (intensity {i:.4g} FLOP/B, ridge {ridge:.4g} FLOP/B)")
             continue
-        if want == "memory" and i > ridge / 1000:
+        if want == "memory" and i > ridge / 1000 and i < ridge / 100:
             hint = ("the ridge must be in FLOPs per byte: TFLOP/s × 10^12 ÷ (GB/s × 10^9), "
                     "not TFLOP/s ÷ GB/s")
+        elif 0.9 < i / ridge < 1.1:
+            hint = ("this op is within a few percent of the ridge: the units must be exact, TFLOP/s is 10^12 "
+                    "FLOP/s and GB/s is 10^9 bytes/s (not 2^40 or 2^30), and the test is intensity < ridge")
         else:
             hint = "compare the intensity (FLOPs / bytes) with the ridge (peak FLOP/s ÷ bandwidth in bytes/s)"
-        report.fail(f"{call} returned {got!r}: intensity {i:.4g} FLOP/B is "
+        report.fail(f"{asked} returned {got!r}: intensity {i:.4g} FLOP/B is "
                     f"{'left' if want == 'memory' else 'right'} of the ridge ({ridge:.4g} FLOP/B), "
                     f"so it is {want}-bound; {hint}")
         return
@@ -192,10 +201,10 @@ def grade_classify(report: Report, classify):
 
 
 def _gpu_cases(rng, n: int) -> list[dict]:
-    """Ops on both sides of the ridge of an H100-like and a T4-like GPU."""
+    """Ops on both sides of the ridge (memory-bound first) of GPUs drawn at random."""
     cases = []
     for k in range(n):
-        peak, bw = [(989.5, 3350.0), (65.0, 300.0)][k % 2]
+        peak, bw = round(float(rng.uniform(10, 1000)), 1), round(float(rng.uniform(200, 5000)), 1)
         ridge = peak * 1e12 / (bw * 1e9)
         nbytes = int(rng.integers(10**6, 10**10))
         factor = [0.05, 8.0, 0.7, 40.0][k % 4]
@@ -206,7 +215,8 @@ def _gpu_cases(rng, n: int) -> list[dict]:
 
 @exercise("02.7", "lower-bound time of an op", names=("min_time_ms",), time_limit_s=10)
 def grade_min_time(report: Report, min_time_ms):
-    cases = _gpu_cases(np.random.default_rng(207), 4)
+    rng = fresh_rng(report)
+    cases = _gpu_cases(rng, 4)
 
     def parts(flops, nbytes, peak_tflops, bandwidth_gbps):
         return flops / (peak_tflops * 1e12), nbytes / (bandwidth_gbps * 1e9)
@@ -227,6 +237,8 @@ def grade_min_time(report: Report, min_time_ms):
             (max(c * 1e12, m * 1e9) * 1e3, "convert TFLOP/s to FLOP/s (× 10^12) and GB/s to bytes/s (× 10^9)"),
         ]
 
+    # the first case (memory-bound) one where every usual mistake gives its own number
+    cases[0] = separating(rng, lambda r: _gpu_cases(r, 1)[0], truth, mutants)
     _grade_number(report, min_time_ms, "min_time_ms", cases, truth, mutants, "ms",
                   "T >= max(FLOPs / peak FLOP/s, bytes / bandwidth in bytes/s), in milliseconds")
 
@@ -236,7 +248,7 @@ def grade_min_time(report: Report, min_time_ms):
 
 @exercise("02.8", "fraction of the roofline reached", names=("fraction_of_roofline",), time_limit_s=10)
 def grade_fraction(report: Report, fraction_of_roofline):
-    rng = np.random.default_rng(208)
+    rng = fresh_rng(report)
     cases = _gpu_cases(rng, 4)
     for case, frac in zip(cases, rng.uniform(0.3, 0.95, len(cases))):
         c = case["flops"] / (case["peak_tflops"] * 1e12)

@@ -2,7 +2,9 @@
 
 The exercises' reference counts follow the rules of ``kc.ledger`` (compulsory traffic: each input
 read once, each output written once, intermediates of a fused kernel kept on chip), and the graders
-check them against the ledger itself where a small example can be run.
+check them against the ledger itself where a small example can be run. Cases are drawn fresh on every
+run (failing lines name the seed; ``KC_GRADE_SEED`` draws them again), the first one so that the usual
+mistakes all give different numbers there, and a line shows the expected value only when it fails.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import Report, exercise, guarded, number
+from . import Report, call, exercise, fresh_rng, number
 
 STATS_ITEMSIZE = 4  # PyTorch's GPU LayerNorm keeps its mean and rstd in float32 whatever x's dtype
 
@@ -20,7 +22,12 @@ def _close(got: float, want: float) -> bool:
 
 
 def _grade_numbers(report: Report, fn, name: str, cases, truth, wrong, unit: str = "bytes") -> None:
-    """Grade ``fn`` on ``cases``; ``wrong(*case)`` lists (value, hint) of typical mistakes."""
+    """Grade ``fn`` on ``cases``; ``wrong(*case)`` lists (value, hint) of typical mistakes.
+
+    ``cases`` may be a function of (rng, truth, wrong) drawing them: it gets this run's fresh generator.
+    """
+    if callable(cases):
+        cases = cases(fresh_rng(report), truth, wrong)
     for case in cases:
         what = f"{name}{tuple(case)}"
         got = number(report, what, fn, *case)
@@ -38,14 +45,30 @@ def _grade_numbers(report: Report, fn, name: str, cases, truth, wrong, unit: str
         return
 
 
-def _cases(seed: int, count: int) -> list[tuple[int, int, int]]:
-    """(rows, cols, itemsize): a fixed tiny case, a single row, then random shapes of every kind."""
-    rng = np.random.default_rng(seed)
-    cases = [(3, 5, 4), (1, 4096, 2)]
-    while len(cases) < count:
-        rows = int(rng.choice([int(rng.integers(2, 100)), int(rng.integers(1000, 70000))]))
-        cols = int(rng.choice([int(rng.integers(2, 100)), int(rng.integers(500, 20000))]))
-        cases.append((rows, cols, int(rng.choice([1, 2, 4, 8]))))
+def separating(rng, draw, truth, wrong, tries: int = 1000):
+    """A case from ``draw(rng)`` on which the answer and every known mistake give different numbers,
+    so that the hint of a first failing case names the right mistake."""
+    for _ in range(tries):
+        case = draw(rng)
+        values = [truth(*case)] + [value for value, _ in wrong(*case)]
+        if all(not _close(a, b) for i, a in enumerate(values) for b in values[i + 1:]):
+            return case
+    return case
+
+
+def _cases(count: int):
+    """(rows, cols, itemsize), fresh every run: a small case that separates the mistakes, a single row,
+    then random shapes of every kind."""
+    def draw(rng):
+        return int(rng.integers(2, 10)), int(rng.integers(2, 10)), int(rng.choice([2, 4, 8]))
+
+    def cases(rng, truth, wrong):
+        out = [separating(rng, draw, truth, wrong), (1, int(rng.integers(1000, 9000)), int(rng.choice([2, 4])))]
+        while len(out) < count:
+            rows = int(rng.choice([int(rng.integers(2, 100)), int(rng.integers(1000, 70000))]))
+            cols = int(rng.choice([int(rng.integers(2, 100)), int(rng.integers(500, 20000))]))
+            out.append((rows, cols, int(rng.choice([1, 2, 4, 8]))))
+        return out
     return cases
 
 
@@ -55,13 +78,14 @@ def _ledger_example(report: Report, fn, name: str, block, make_args, count_args)
 
     from .. import ledger
 
-    rows, cols = 5, 7
-    torch.manual_seed(3)
+    rng = np.random.default_rng(report.seed)
+    rows, cols = int(rng.integers(2, 12)), int(rng.integers(2, 12))
+    torch.manual_seed(int(rng.integers(2**31)))
     measured = count_args(ledger.measure(block, *make_args(rows, cols)))
     got = number(report, f"{name}({rows}, {cols}, 4)", fn, rows, cols, 4)
     if got is None:
         return
-    report.expect(_close(got, measured), f"matches kc.ledger on a ({rows}, {cols}) float32 example: {measured} bytes",
+    report.expect(_close(got, measured), f"matches kc.ledger on a ({rows}, {cols}) float32 example",
                   f"kc.ledger counts {measured} bytes on a ({rows}, {cols}) float32 example, you said {got:g}")
 
 
@@ -100,7 +124,7 @@ def grade_unfused(report: Report, block_unfused_bytes):
                 (6 * n * s, "the 2kN rule is for ops with one input: the multiply also reads w, the add reads b"),
                 (7 * n + cols, "multiply the element count by itemsize, the bytes per element")]
 
-    _grade_numbers(report, block_unfused_bytes, "block_unfused_bytes", _cases(31, 6), truth, wrong)
+    _grade_numbers(report, block_unfused_bytes, "block_unfused_bytes", _cases(6), truth, wrong)
     if report.failures == 0:
         _ledger_example(report, block_unfused_bytes, "block_unfused_bytes", scaled_gelu_block, _block_args,
                         lambda led: led.total)
@@ -121,7 +145,7 @@ def grade_fused(report: Report, block_fused_bytes):
                 ((7 * n + cols) * s, "that is the unfused count: fused, only the inputs and the result move"),
                 (3 * n + cols, "multiply the element count by itemsize, the bytes per element")]
 
-    _grade_numbers(report, block_fused_bytes, "block_fused_bytes", _cases(32, 6), truth, wrong)
+    _grade_numbers(report, block_fused_bytes, "block_fused_bytes", _cases(6), truth, wrong)
     if report.failures == 0:
         _ledger_example(report, block_fused_bytes, "block_fused_bytes", scaled_gelu_block, _block_args,
                         lambda led: led.fused_bytes())
@@ -132,7 +156,10 @@ def grade_fused(report: Report, block_fused_bytes):
 
 @exercise("03.3", "the IO reduction factor", names=("io_reduction",), time_limit_s=30)
 def grade_io_reduction(report: Report, io_reduction):
-    cases = [(1, 0), (4, 0), (3, 2), (2, 1), (8, 3), (5, 5), (7, 1)]
+    def cases(rng, truth, wrong):  # fresh every run: no extra operand, then some, k from 1
+        first = separating(rng, lambda r: (int(r.integers(2, 10)), int(r.integers(1, 6))), truth, wrong)
+        return [first, (int(rng.integers(2, 10)), 0), (1, int(rng.integers(0, 6)))] + [
+            (int(rng.integers(1, 12)), int(rng.integers(0, 8))) for _ in range(4)]
 
     def truth(k, extra):
         return (2 * k + extra) / (2 + extra)
@@ -172,7 +199,7 @@ def grade_layernorm(report: Report, layernorm_bytes):
                 (2 * n + 2 * cols + 2 * rows, "multiply by the bytes per element: itemsize for x, y, weight and "
                                               "bias, 4 for the statistics")]
 
-    _grade_numbers(report, layernorm_bytes, "layernorm_bytes", _cases(34, 6), truth, wrong)
+    _grade_numbers(report, layernorm_bytes, "layernorm_bytes", _cases(6), truth, wrong)
     if report.failures:
         return
     import torch
@@ -204,14 +231,22 @@ WHY = {
 }
 
 
+QUESTION = {  # a question for each proposal that leads to its verdict without stating it
+    "A": "eager PyTorch writes x + b to HBM and reads it back for the GELU; does one kernel have to?",
+    "B": "the division needs the complete sum before its first element; can one kernel avoid reading x "
+         "twice when x does not fit on chip?",
+    "C": "do the two computations share any bytes that one kernel could move once instead of twice?",
+    "D": "h must be written either way; is it also read back by a second kernel when they are separate?",
+    "E": "how many bytes does a view move on its own?",
+    "F": "does a 1024-element row fit on chip, so that softmax's output can go straight into the dropout?",
+    "G": "the product is written and read back when the ReLU is a separate kernel; is it when the ReLU is "
+         "in the epilogue? (bytes, not time)",
+}
+
+
 @exercise("03.5", "fusions that save no traffic", names=("no_traffic_saved",), time_limit_s=10)
 def grade_no_saving(report: Report, no_traffic_saved):
-    before = report.failures
-    got = guarded(report, "no_traffic_saved()", no_traffic_saved)
-    if report.failures > before:
-        return
-    if got is None:
-        return report.fail("no_traffic_saved() returned None: did you forget `return`?")
+    got = call(report, "no_traffic_saved()", no_traffic_saved)
     if isinstance(got, str):
         got = [c for c in got if not c.isspace() and c not in ",;"]
     try:
@@ -221,10 +256,16 @@ def grade_no_saving(report: Report, no_traffic_saved):
     unknown = letters - set(WHY)
     if unknown:
         return report.fail(f"no_traffic_saved() returned {sorted(unknown)}: the choices are the letters A to G")
-    for letter in sorted(WHY):
-        right = (letter in letters) == (letter in NO_SAVING)
-        verdict = "saves no traffic" if letter in NO_SAVING else "cuts traffic"
-        report.expect(right, f"{letter} {verdict}", WHY[letter])
+    wrong = [letter for letter in sorted(WHY) if (letter in letters) != (letter in NO_SAVING)]
+    if not wrong:
+        # right as a whole: now every explanation can be shown
+        for letter in sorted(WHY):
+            report.ok(WHY[letter])
+        return
+    # Wrong: say how many, and ask about one of them without giving its verdict, so that trying again
+    # does not reveal the answers.
+    report.fail(f"{len(wrong)} of the 7 proposals are judged wrongly; think again about {wrong[0]}: "
+                f"{QUESTION[wrong[0]]}")
 
 
 # ---- 03.6 a predicted speed-up with a launch floor ---------------------------------------------
@@ -232,8 +273,13 @@ def grade_no_saving(report: Report, no_traffic_saved):
 
 @exercise("03.6", "predict the speed-up of fusion", names=("predicted_speedup",), time_limit_s=30)
 def grade_speedup(report: Report, predicted_speedup):
-    cases = [(1, 1024, 2, 3350.0, 2.5), (65536, 4096, 2, 3350.0, 2.5), (256, 4096, 4, 2039.0, 4.0),
-             (8192, 1000, 1, 900.0, 5.5), (4096, 4096, 8, 1555.0, 3.0)]
+    def cases(rng, truth, wrong):
+        # fresh every run: launch-bound (small), bandwidth-bound (large) and in between
+        def draw(rows_range):
+            return (int(rng.integers(*rows_range)), int(rng.integers(500, 8192)), int(rng.choice([1, 2, 4, 8])),
+                    round(float(rng.uniform(300, 5000)), 1), round(float(rng.uniform(1.5, 6.0)), 2))
+        first = separating(rng, lambda r: draw((64, 2048)), truth, wrong)
+        return [first, draw((1, 4)), draw((20000, 70000)), draw((100, 1000)), draw((2000, 9000))]
 
     def model(rows, cols, s, gbps, launch_us, kernels=(3, 1), bw_unit=1e9, launch_unit=1e-6):
         n = rows * cols
@@ -263,12 +309,17 @@ def grade_speedup(report: Report, predicted_speedup):
 # ---- 03.7 the largest intermediate, found with the ledger --------------------------------------
 
 
-def _hidden_functions():
-    """(name, fn, args) of functions whose largest intermediate the learner must find."""
+def _hidden_functions(rng=None):
+    """(name, fn, args) of functions whose largest intermediate the learner must find, with shapes
+    drawn from ``rng`` (fresh every run when grading)."""
     import torch
     import torch.nn.functional as F
 
-    g = torch.Generator().manual_seed(37)
+    rng = rng if rng is not None else np.random.default_rng(37)
+    g = torch.Generator().manual_seed(int(rng.integers(2**31)))
+
+    def size(low, high):
+        return int(rng.integers(low, high + 1))
 
     def rand(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=g).to(dtype)
@@ -300,19 +351,23 @@ def _hidden_functions():
         y = F.layer_norm(x, (x.shape[-1],), w, b)
         return y.sum(dim=0)
 
+    b, h, t, d = size(1, 3), size(2, 4), size(48, 80), size(8, 24)
+    rows, vocab = size(64, 128), size(400, 700)
+    m, k = size(32, 64), size(16, 48)
     return [
-        ("attention", attention, (rand(2, 3, 64, 16), rand(2, 3, 64, 16), rand(2, 3, 64, 16))),
-        ("cross_entropy", cross_entropy, (rand(96, 500, dtype=torch.bfloat16), torch.randint(0, 500, (96,), generator=g))),
-        ("outer_norm", outer_norm, (rand(300, 7),)),
-        ("mlp", mlp, (rand(48, 32), rand(32, 128), rand(128, 32))),
-        ("transposed_head", transposed_head, (rand(200, 90),)),
-        ("layer_norm_rows", layer_norm_rows, (rand(40, 64), rand(64), rand(64))),
+        ("attention", attention, tuple(rand(b, h, t, d) for _ in range(3))),
+        ("cross_entropy", cross_entropy, (rand(rows, vocab, dtype=torch.bfloat16),
+                                          torch.randint(0, vocab, (rows,), generator=g))),
+        ("outer_norm", outer_norm, (rand(size(200, 400), size(4, 10)),)),
+        ("mlp", mlp, (rand(m, k), rand(k, 4 * k), rand(4 * k, k))),
+        ("transposed_head", transposed_head, (rand(size(150, 250), size(60, 120)),)),
+        ("layer_norm_rows", layer_norm_rows, (rand(size(30, 50), 64), rand(64), rand(64))),
     ]
 
 
 @exercise("03.7", "find the largest intermediate", names=("largest_intermediate_bytes",), time_limit_s=60)
 def grade_largest_intermediate(report: Report, largest_intermediate_bytes):
-    for name, fn, args in _hidden_functions():
+    for name, fn, args in _hidden_functions(fresh_rng(report)):
         if not _grade_intermediate(report, largest_intermediate_bytes, name, fn, args):
             return
 

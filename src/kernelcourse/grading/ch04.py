@@ -8,179 +8,21 @@ truth, row by row for row-wise kernels, with a tolerance of twice PyTorch's own 
 precision on the same device. When a result is wrong, the grader also computes the typical mistakes
 (a missing mask, a wrong stride, a missing max...) and names the one that matches.
 
-Chapter 05's graders use the helpers here.
+The helpers live in ``harness``, the Triton grading harness chapters 04 to 06 share; they are
+re-exported here for graders that import them from this module.
 """
 from __future__ import annotations
-
 
 import numpy as np
 
 from ..world import world
 from . import POISON, Report, compare, exercise, explain
 
-GUARD = 1024  # elements of frame after 1D data: at least the largest block a grader launches
-NAN = float("nan")
-PAD = 0.5  # the frame of row-wise inputs: finite, so that reading it gives a wrong value the grader can name
-
-
-# ---- helpers shared with chapter 05 --------------------------------------------------------------
-
-
-def not_a_kernel(obj, name: str) -> str | None:
-    """None if ``obj`` can be launched as ``obj[grid](...)``, else a line saying what to do."""
-    if callable(obj) and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
-        return None
-    if callable(obj):
-        return f"{name} is a plain Python function: decorate it with @triton.jit so it can be launched as {name}[grid](...)"
-    return f"{name} is not a kernel (got {type(obj).__name__}): define it with @triton.jit"
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "fp16": torch.float16}[name]
-
-
-def framed(data: np.ndarray, dtype: str, fill: float, pad_rows: int = 0, pad_cols: int = 0):
-    """``data`` on the device inside a larger tensor filled with ``fill``: returns (full, view).
-
-    1D data gets ``GUARD`` elements after it; 2D data gets ``pad_cols`` extra columns (so its row
-    stride is larger than its width) and ``pad_rows`` extra rows below.
-    """
-    import torch
-
-    dev, dt = world().device, torch_dtype(dtype)
-    with np.errstate(over="ignore"):
-        fill = float(np.asarray(fill, dtype=np.float16 if dtype == "fp16" else np.float32))  # poison -> -inf in fp16
-    if data.ndim == 1:
-        full = torch.full((data.size + GUARD,), fill, dtype=dt, device=dev)
-        view = full[: data.size]
-    else:
-        rows, cols = data.shape
-        full = torch.full((rows + pad_rows, cols + pad_cols), fill, dtype=dt, device=dev)
-        view = full[:rows, :cols]
-    view.copy_(torch.from_numpy(data).to(dt))
-    return full, view
-
-
-def host(t) -> np.ndarray:
-    return t.detach().cpu().numpy()
-
-
-def exact(t) -> np.ndarray:
-    """The values a tensor holds, exactly, in float64 (the truth is computed from these)."""
-    return host(t).astype(np.float64)
-
-
-def launch(report: Report, what: str, kernel, grid, *args, **meta) -> bool:
-    """Launch the learner's kernel; on an error, record one line that says what went wrong."""
-    try:
-        kernel[grid](*args, **meta)
-        if world().gpu:
-            import torch
-
-            torch.cuda.synchronize()
-        return True
-    except Exception as exc:
-        text = str(exc)
-        if "Expected dtype ['fp32', 'fp64']" in text:
-            hint = ("a math function (tl.erf, tl.exp, tl.sqrt...) got float16: convert what you load with "
-                    "x.to(tl.float32) and compute in float32")
-        elif "dot" in text and ("dtype" in text or "type" in text):
-            hint = f"{explain(exc)}: both operands of tl.dot need one dtype; cast one with .to(other.dtype)"
-        elif "unexpected keyword" in text or "missing" in text and "argument" in text:
-            hint = f"{explain(exc)}; keep the kernel's signature as the exercise gives it"
-        else:
-            hint = explain(exc)
-        report.fail(f"{what}: {hint}")
-        return False
-
-
-def outside_writes(full_before_fill: float, full, view_mask: np.ndarray) -> int:
-    """How many elements of ``full`` outside the data (where ``view_mask`` is False) were changed."""
-    h = host(full)
-    poison = np.asarray(full_before_fill, dtype=h.dtype)
-    return int(((h != poison) & ~view_mask).sum())
-
-
-def nothing_written(got: np.ndarray) -> bool:
-    """True when every element of the output still holds the poison: the kernel stored nothing."""
-    return bool(np.all(got == np.asarray(POISON, dtype=got.dtype)))
-
-
-STUB = "no element of the output was written (is the kernel body still a stub?)"
-
-
-def data_mask(shape, rows: int, cols: int | None = None) -> np.ndarray:
-    m = np.zeros(shape, dtype=bool)
-    if cols is None:
-        m[:rows] = True
-    else:
-        m[:rows, :cols] = True
-    return m
-
-
-def rounding_floor(dtype) -> float:
-    """The least tolerance, relative to the largest value: a few rounding steps of the output dtype.
-
-    A kernel of several float32 operations is a few units in the last place from the truth, as is
-    PyTorch, but not always at the same elements; on a GPU, Triton's exp, sqrt and division use the
-    fast hardware approximations, good to about two units.
-    """
-    return float(np.finfo(dtype).eps) * (8 if np.dtype(dtype) == np.float32 else 2)
-
-
-def tolerance(truth: np.ndarray, reference: np.ndarray, dtype) -> float:
-    """compare()'s tolerance: twice PyTorch's worst error, at least rounding_floor() of the largest value."""
-    eps = rounding_floor(dtype)
-    scale = float(np.max(np.abs(truth))) if truth.size else 0.0
-    return max(eps * scale, 2 * float(np.max(np.abs(reference.astype(np.float64) - truth))) if truth.size else 0.0)
-
-
-def diagnose(got: np.ndarray, mistakes, tol: float) -> str | None:
-    """The hint of the first typical mistake whose result ``got`` reproduces (within ``tol``)."""
-    g = got.astype(np.float64)
-    for hint, wrong in mistakes:
-        with np.errstate(invalid="ignore", over="ignore"):
-            w = np.asarray(wrong, dtype=np.float64)
-        if w.shape == g.shape and np.all(np.isfinite(g) == np.isfinite(w)):
-            finite = np.isfinite(g)
-            if finite.any() and np.all(np.abs(g[finite] - w[finite]) <= 2 * tol + 1e-12):
-                return hint
-    return None
-
-
-def compare_rows(got, truth, reference, what: str, mistakes_of=None, nonfinite: str = "") -> tuple[bool, str]:
-    """compare() row by row (each row with its own scale), one line for the whole case.
-
-    ``mistakes_of(i)`` lists (hint, wrong row i) to name a typical mistake in the first bad row;
-    ``nonfinite`` is the hint for NaN or Inf in a row when no listed mistake explains them.
-    """
-    worst = 0.0
-    for i in range(truth.shape[0]):
-        ok, line = compare(got[i], truth[i], reference[i], what=f"{what}, row {i}", rtol_floor=rounding_floor(got.dtype))
-        if not ok:
-            hint = None
-            if mistakes_of is not None and "never written" not in line and "stub" not in line:
-                hint = diagnose(got[i], mistakes_of(i), tolerance(truth[i], reference[i], got.dtype))
-            if hint is None and "NaN or Inf" in line:
-                hint = nonfinite
-            if hint:
-                line += f": {hint}"
-            return False, line
-        worst = max(worst, float(np.max(np.abs(got[i].astype(np.float64) - truth[i]))) if truth[i].size else 0.0)
-    return True, f"{what}: all {got.size} elements match (max error {worst:.2g})"
-
-
-def rand(rng, shape, scales=(1.0, 3.0)):
-    """Normal values with mixed scales, never exactly zero."""
-    x = rng.standard_normal(shape) * rng.choice(scales, size=shape)
-    return np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x)
-
-
-def sizes(cpu: list, gpu_extra: list) -> list:
-    # The interpreter runs programs one after another in Python: small sizes on the CPU.
-    return cpu + (gpu_extra if world().gpu else [])
+# The Triton grading harness (``harness``), re-exported here for the graders that import it from ch04.
+from .harness import (  # noqa: F401
+    GUARD, NAN, PAD, STUB, compare_rows, data_mask, diagnose, exact, framed, host, in_float32, launch,
+    not_a_kernel, nothing_written, outside_writes, rand, rounding_floor, sizes, to_numpy, tolerance,
+    torch_dtype)
 
 
 def gelu64(x):
@@ -195,6 +37,7 @@ def gelu64(x):
 
 
 @exercise("04.1", "fused scale + GELU", names=("scale_gelu_kernel",))
+@in_float32
 def grade_scale_gelu(report: Report, scale_gelu_kernel):
     import torch
     import torch.nn.functional as F
@@ -322,6 +165,7 @@ def log_softmax64(x):
 
 
 @exercise("04.3", "row log-softmax", names=("log_softmax_kernel",))
+@in_float32
 def grade_log_softmax(report: Report, log_softmax_kernel):
     import torch
     import triton
@@ -388,6 +232,7 @@ def rms_norm64(x, w, eps):
 
 
 @exercise("04.4", "RMSNorm row kernel", names=("rms_norm_kernel",))
+@in_float32
 def grade_rms_norm(report: Report, rms_norm_kernel):
     import torch
     import triton

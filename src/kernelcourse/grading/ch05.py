@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, explain, guarded
-from .ch04 import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
+from . import POISON, Report, call, compare, exercise, explain
+from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
                    nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance)
 
 # ---- 05.1 which program computes a tile ------------------------------------------------------
@@ -42,15 +42,10 @@ def grade_grouped_program(report: Report, grouped_program):
         tiles = [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
         got = {}
         for m, n in tiles:
-            call = f"grouped_program({m}, {n}, {num_pid_m}, {num_pid_n}, {group_m})"
-            before = report.failures
-            pid = guarded(report, call, grouped_program, m, n, num_pid_m, num_pid_n, group_m)
-            if report.failures > before:
-                return
-            if pid is None:
-                return report.fail(f"{call} returned None: did you forget `return`?")
+            asked = f"grouped_program({m}, {n}, {num_pid_m}, {num_pid_n}, {group_m})"
+            pid = call(report, asked, grouped_program, m, n, num_pid_m, num_pid_n, group_m)
             if not isinstance(pid, (int, np.integer)):
-                return report.fail(f"{call} returned {pid!r}: a program id is an int")
+                return report.fail(f"{asked} returned {pid!r}: a program id is an int")
             got[(m, n)] = int(pid)
         wrong = next(((t, p) for t, p in got.items()
                       if not 0 <= p < len(tiles) or grouped_tile(p, num_pid_m, num_pid_n, group_m) != t), None)

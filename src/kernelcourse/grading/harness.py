@@ -1,0 +1,234 @@
+"""The Triton grading harness of chapters 04-06 (introduced in chapter 04; chapters 07 and later use
+it too): launch the learner's kernel, frame its inputs and outputs, compare with a float64 truth under
+one tolerance rule, and name the typical mistake a wrong result reproduces under one diagnosis rule.
+
+Every input and output lives inside a larger buffer: inputs are framed by NaN or a finite pad (an
+unmasked read past the data brings it into the result), outputs by poison (a write past the data
+shows in the frame, an element never written keeps its poison). In Triton's interpreter, every load
+and store is also checked against the tensors a launch was given (``addresses``).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..world import world
+from . import POISON, Report, compare, explain, tolerance_of
+from .addresses import float32_math
+
+GUARD = 1024  # elements of frame after 1D data: at least the largest block a grader launches
+NAN = float("nan")
+PAD = 0.5  # the frame of row-wise inputs: finite, so that reading it gives a wrong value the grader can name
+
+
+
+
+def not_a_kernel(obj, name: str) -> str | None:
+    """None if ``obj`` can be launched as ``obj[grid](...)``, else a line saying what to do."""
+    if callable(obj) and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
+        return None
+    if callable(obj):
+        return f"{name} is a plain Python function: decorate it with @triton.jit so it can be launched as {name}[grid](...)"
+    return f"{name} is not a kernel (got {type(obj).__name__}): define it with @triton.jit"
+
+
+def in_float32(grade):
+    """A grader whose statement asks for float32 math: in the interpreter, a math function of the
+    learner's kernel that gets float16 stops the launch (the interpreter would hide the lost precision)."""
+    @functools.wraps(grade)
+    def graded(report, **objects):
+        with float32_math():
+            return grade(report, **objects)
+    return graded
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def framed(data: np.ndarray, dtype: str, fill: float, pad_rows: int = 0, pad_cols: int = 0):
+    """``data`` on the device inside a larger tensor filled with ``fill``: returns (full, view).
+
+    1D data gets ``GUARD`` elements after it; 2D data gets ``pad_cols`` extra columns (so its row
+    stride is larger than its width) and ``pad_rows`` extra rows below; 3D data (heads, rows, cols)
+    gets ``pad_rows`` extra rows below each head.
+    """
+    import torch
+
+    dev, dt = world().device, torch_dtype(dtype)
+    with np.errstate(over="ignore"):
+        fill = float(np.asarray(fill, dtype=np.float16 if dtype == "fp16" else np.float32))  # poison -> -inf in fp16
+    if data.ndim == 1:
+        full = torch.full((data.size + GUARD,), fill, dtype=dt, device=dev)
+        view = full[: data.size]
+    elif data.ndim == 3:
+        heads, rows, cols = data.shape
+        full = torch.full((heads, rows + pad_rows, cols), fill, dtype=dt, device=dev)
+        view = full[:, :rows]
+    else:
+        rows, cols = data.shape
+        full = torch.full((rows + pad_rows, cols + pad_cols), fill, dtype=dt, device=dev)
+        view = full[:rows, :cols]
+    view.copy_(torch.from_numpy(data).to(dt))
+    return full, view
+
+
+def host(t) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def exact(t) -> np.ndarray:
+    """The values a tensor holds, exactly, in float64 (the truth is computed from these)."""
+    return host(t).astype(np.float64)
+
+
+def launch(report: Report, what: str, kernel, grid, *args, **meta) -> bool:
+    """Launch the learner's kernel; on an error, record one line that says what went wrong."""
+    try:
+        kernel[grid](*args, **meta)
+        if world().gpu:
+            import torch
+
+            torch.cuda.synchronize()
+        return True
+    except Exception as exc:
+        text = str(exc)
+        if "Expected dtype ['fp32', 'fp64']" in text:
+            hint = ("a math function (tl.erf, tl.exp, tl.sqrt...) got float16: convert what you load with "
+                    "x.to(tl.float32) and compute in float32")
+        elif "dot" in text and ("dtype" in text or "type" in text):
+            hint = f"{explain(exc)}: both operands of tl.dot need one dtype; cast one with .to(other.dtype)"
+        elif "unexpected keyword" in text or "missing" in text and "argument" in text:
+            hint = f"{explain(exc)}; keep the kernel's signature as the exercise gives it"
+        else:
+            hint = explain(exc)
+        report.fail(f"{what}: {hint}")
+        return False
+
+
+def outside_writes(full_before_fill: float, full, view_mask: np.ndarray) -> int:
+    """How many elements of ``full`` outside the data (where ``view_mask`` is False) were changed."""
+    h = host(full)
+    poison = np.asarray(full_before_fill, dtype=h.dtype)
+    return int(((h != poison) & ~view_mask).sum())
+
+
+def nothing_written(got: np.ndarray) -> bool:
+    """True when every element of the output still holds the poison: the kernel stored nothing."""
+    return bool(np.all(got == np.asarray(POISON, dtype=got.dtype)))
+
+
+STUB = "no element of the output was written (is the kernel body still a stub?)"
+
+
+def data_mask(shape, rows: int, cols: int | None = None) -> np.ndarray:
+    m = np.zeros(shape, dtype=bool)
+    if cols is None:
+        m[:rows] = True
+    else:
+        m[:rows, :cols] = True
+    return m
+
+
+def rounding_floor(dtype) -> float:
+    """The least tolerance, relative to the largest value: a few rounding steps of the output dtype.
+
+    A kernel of several float32 operations is a few units in the last place from the truth, as is
+    PyTorch, but not always at the same elements; on a GPU, Triton's exp, sqrt and division use the
+    fast hardware approximations, good to about two units.
+    """
+    return float(np.finfo(dtype).eps) * (8 if np.dtype(dtype) == np.float32 else 2)
+
+
+def tolerance(truth: np.ndarray, reference: np.ndarray, dtype) -> float:
+    """compare()'s tolerance (the one rule, ``tolerance_of``) with rounding_floor() of the output dtype."""
+    return tolerance_of(truth, reference, rounding_floor(dtype))
+
+
+def to_numpy(x) -> np.ndarray:
+    """A learner's result as a NumPy array (tensors of any device and dtype, arrays, numbers)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def reproduces(got, wrong, truth=None, tol: float = 0.0) -> float | None:
+    """How closely ``got`` reproduces the wrong result ``wrong`` (the largest difference), or None when it
+    does not: the one diagnosis rule of the Triton graders.
+
+    ``got`` reproduces ``wrong`` when it has NaN and Inf exactly where ``wrong`` does, and its finite
+    elements are within ``2 * tol`` of it or, when ``truth`` is given, closer to it than a quarter of
+    its distance from the truth (a mistake that barely changes the result on this input reproduces
+    nothing; one that makes NaN or Inf where the truth has none is reproduced by the same NaN and Inf).
+    """
+    if wrong is None:
+        return None
+    g = np.asarray(to_numpy(got), dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.asarray(wrong, dtype=np.float64)
+    if w.shape != g.shape or not np.array_equal(np.isfinite(g), np.isfinite(w)):
+        return None
+    finite = np.isfinite(g)
+    if not finite.any():
+        return 0.0
+    distance = float(np.max(np.abs(g[finite] - w[finite])))
+    if distance <= 2 * tol + 1e-12:
+        return distance
+    if truth is None:
+        return None
+    t = np.asarray(truth, dtype=np.float64)
+    if t.shape != w.shape or not np.array_equal(np.isfinite(w), np.isfinite(t)):
+        return distance  # the mistake makes NaN or Inf where the truth has none, and so did got
+    apart = float(np.max(np.abs(w[finite] - t[finite])))
+    scale = max(1e-30, float(np.max(np.abs(t[finite]))))
+    return distance if apart > 1e-5 * scale and distance <= 0.25 * apart else None
+
+
+def diagnose(got, mistakes, tol: float = 0.0, truth=None) -> str | None:
+    """The hint of the typical mistake, among ``mistakes`` (hint, wrong result or None), that ``got``
+    reproduces most closely (``reproduces``), or None."""
+    best, best_distance = None, np.inf
+    for hint, wrong in mistakes:
+        distance = reproduces(got, wrong, truth, tol)
+        if distance is not None and distance < best_distance:
+            best, best_distance = hint, distance
+    return best
+
+
+def compare_rows(got, truth, reference, what: str, mistakes_of=None, nonfinite: str = "") -> tuple[bool, str]:
+    """compare() row by row (each row with its own scale), one line for the whole case.
+
+    ``mistakes_of(i)`` lists (hint, wrong row i) to name a typical mistake in the first bad row;
+    ``nonfinite`` is the hint for NaN or Inf in a row when no listed mistake explains them.
+    """
+    worst = 0.0
+    for i in range(truth.shape[0]):
+        ok, line = compare(got[i], truth[i], reference[i], what=f"{what}, row {i}", rtol_floor=rounding_floor(got.dtype))
+        if not ok:
+            hint = None
+            if mistakes_of is not None and "never written" not in line and "stub" not in line:
+                hint = diagnose(got[i], mistakes_of(i), tolerance(truth[i], reference[i], got.dtype))
+            if hint is None and "NaN or Inf" in line:
+                hint = nonfinite
+            if hint:
+                line += f": {hint}"
+            return False, line
+        worst = max(worst, float(np.max(np.abs(got[i].astype(np.float64) - truth[i]))) if truth[i].size else 0.0)
+    return True, f"{what}: all {got.size} elements match (max error {worst:.2g})"
+
+
+def rand(rng, shape, scales=(1.0, 3.0)):
+    """Normal values with mixed scales (one scale: that scale), never exactly zero."""
+    x = rng.standard_normal(shape) * (scales[0] if len(scales) == 1 else rng.choice(scales, size=shape))
+    return np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x)
+
+
+def sizes(cpu: list, gpu_extra: list) -> list:
+    # The interpreter runs programs one after another in Python: small sizes on the CPU.
+    return cpu + (gpu_extra if world().gpu else [])
