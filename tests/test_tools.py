@@ -127,3 +127,11 @@ def test_site_check_expects_colab_at_the_notebook_path():
     url = check_site.expected_colab("notebooks/01_vector_add.html")
     assert url.startswith("https://colab.research.google.com/github/")
     assert url.endswith("/blob/main/notebooks/01_vector_add.ipynb")
+
+
+def test_stamping_shows_the_home_directory_as_a_tilde():
+    nb = _stamped_lesson()
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="cached in /home/ann/.cache/kc/x.json\n")]
+    assert stamp.scrub_home(nb, home="/home/ann") == 1
+    assert nb.cells[1].outputs[0].text == "cached in ~/.cache/kc/x.json\n"
+    assert stamp.stamp_problem(nb) is None  # outputs only: the code hash is unchanged

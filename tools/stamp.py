@@ -52,6 +52,21 @@ def stamp_note(nb) -> str | None:
     return f"its stamp predates recording {', '.join(missing)}; the next GPU run records them" if missing else None
 
 
+def scrub_home(nb, home: str | None = None) -> int:
+    """Spell the stamping machine's home directory as ``~`` in text outputs: a reader's page should show
+    where a file lives relative to their own home, not the path on the machine that ran the lesson.
+    Returns how many outputs changed."""
+    home = (home or str(Path.home())).rstrip("/")
+    changed = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            text = out.get("text")
+            if isinstance(text, str) and home + "/" in text:
+                out["text"] = text.replace(home + "/", "~/")
+                changed += 1
+    return changed
+
+
 def check(paths: list[Path]) -> int:
     bad = 0
     for path in paths:
@@ -95,6 +110,7 @@ def execute(path: Path, record: bool, timeout: int) -> None:
         "seconds": round(time.time() - start, 1),
         "code_sha256": code_hash(nb),
     }
+    scrub_home(nb)
     write(nb, path)
     print(f"executed and stamped {rel} on {w.name} in {time.time() - start:.0f} s")
 

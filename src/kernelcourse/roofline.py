@@ -173,6 +173,14 @@ def cache_path(gpu_name: str) -> Path:
     return base / "kernelcourse" / f"ceilings-{_slug(gpu_name)}.json"
 
 
+def _shown(path: Path) -> str:
+    """``path`` as a reader should see it: under the home directory, spelled from ``~``."""
+    try:
+        return str(Path("~") / path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
+
+
 def _probe_dtypes(capability) -> list[str]:
     # TF32 and BF16 tensor cores arrived with Ampere (compute capability 8.0).
     return ["fp32", "fp16"] + (["tf32", "bf16"] if capability and tuple(capability) >= (8, 0) else [])
@@ -264,7 +272,7 @@ def ceilings(refresh: bool = False, *, quiet: bool = False) -> Ceilings:
         cached = json.loads(path.read_text())
         c = Ceilings.from_rows(w.name, cached["rows"], f"measured on {w.name}, {cached['date']} (cached)")
         if not quiet:
-            print(f"Ceilings of {w.name} measured on {cached['date']}, cached in {path} "
+            print(f"Ceilings of {w.name} measured on {cached['date']}, cached in {_shown(path)} "
                   "(kc.roofline.ceilings(refresh=True) measures again).")
         return c
 
