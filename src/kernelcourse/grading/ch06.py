@@ -16,7 +16,7 @@ import numpy as np
 
 from ..world import world
 from . import POISON, Report, call, compare, exercise, guarded, tolerance_of
-from .harness import diagnose, framed, launch, not_a_kernel, rand, reproduces, to_numpy
+from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
 _np = to_numpy
 
@@ -289,7 +289,7 @@ def grade_online_stats(report: Report, online_softmax_stats):
             blocks = [np.asarray(b, dtype=np.float32) for b in blocks]
             what = f"{what}, seed {seed}"
             stream = _Stream([torch.from_numpy(b.copy()) for b in blocks])
-            got = call(report, what, _largest_made, online_softmax_stats, stream)
+            got = call(report, what, largest_made, online_softmax_stats, stream)
             got, numel, shape = got
             longest, row = max(b.size for b in blocks), sum(b.size for b in blocks)
             if numel > longest and numel >= row:
@@ -323,29 +323,6 @@ def grade_online_stats(report: Report, online_softmax_stats):
 
 
 # ---- 06.3 tiled attention in PyTorch -------------------------------------------------------------
-
-
-def _largest_made(fn, *args):
-    """Run fn(*args) and return (result, numel and shape of the largest tensor any op made)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numel, self.shape = 0, ()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                    self.numel, self.shape = t.numel(), tuple(t.shape)
-            return out
-
-    with Largest() as mode:
-        result = fn(*args)
-    return result, mode.numel, mode.shape
 
 
 def _worst_of(truth_o, truth_lse, scores, v):
@@ -414,7 +391,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                     f"{', large logits' if ls > 10 else ''}{', every score near -1000' if ls < 0 else ''}, "
                     f"seed {seed}")
             tq, tk, tv = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v))
-            got = call(report, what, _largest_made, tiled_attention, tq, tk, tv, bn, causal)
+            got = call(report, what, largest_made, tiled_attention, tq, tk, tv, bn, causal)
             got, numel, shape = got
             got = _pair(report, f"tiled_attention ({what})", got)
             if got is None:

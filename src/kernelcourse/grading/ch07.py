@@ -18,7 +18,7 @@ import numpy as np
 
 from ..world import world
 from . import POISON, Report, compare, exercise, guarded, speed_vs_peer
-from .ch04 import launch, not_a_kernel  # the Triton launch helpers chapters 04-07 share
+from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
 
 LOG2E = 1.4426950408889634
 NAN = float("nan")
@@ -26,16 +26,6 @@ HALF_POISON = -32768.0  # exact in float16 and bfloat16, and no gradient here is
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-
-def _np(x) -> np.ndarray:
-    """A learner's result as a NumPy array (tensors of any device and dtype, arrays, numbers)."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu()
-        if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
-        return x.numpy()
-    return np.asarray(x)
 
 
 def _exact32(x) -> np.ndarray:
@@ -50,7 +40,7 @@ def _rand(rng, shape, scale=1.0) -> np.ndarray:
 
 def _check(got, truth, reference, what: str, floor: float) -> tuple[bool, str]:
     """compare() of a learner's array with a float64 truth; ``floor`` is the smallest relative tolerance."""
-    got = _np(got)
+    got = to_numpy(got)
     if got.dtype == object or not np.issubdtype(got.dtype, np.number):
         return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
     if not np.issubdtype(got.dtype, np.floating):
@@ -60,7 +50,7 @@ def _check(got, truth, reference, what: str, floor: float) -> tuple[bool, str]:
 
 def _matches(got, wrong, truth) -> bool:
     """Does ``got`` reproduce the mistake ``wrong`` (closer to it than to the truth by a wide margin)?"""
-    g = np.asarray(_np(got), dtype=np.float64)
+    g = np.asarray(to_numpy(got), dtype=np.float64)
     w = np.asarray(wrong, dtype=np.float64)
     t = np.asarray(truth, dtype=np.float64)
     if g.shape != w.shape or w.shape != t.shape or not np.isfinite(g).all() or not np.isfinite(w).all():
@@ -139,7 +129,7 @@ def _torch_grads(q, k, v, do, scale, causal, dtype=None, device="cpu"):
     if causal:
         s = s.masked_fill(~torch.ones(s.shape, dtype=torch.bool, device=device).tril(), float("-inf"))
     (torch.softmax(s, dim=-1) @ tv).backward(torch.tensor(do, dtype=dt, device=device))
-    return [_np(t.grad.float()).astype(np.float64) for t in (tq, tk, tv)]
+    return [to_numpy(t.grad.float()).astype(np.float64) for t in (tq, tk, tv)]
 
 
 def _floor(q, k, scale, dtype_eps):
@@ -149,27 +139,6 @@ def _floor(q, k, scale, dtype_eps):
     return max(64 * dtype_eps, 4 * dtype_eps * max(16.0, s_max))
 
 
-def _largest_made(fn, *args):
-    """Run fn(*args) and return (result, numel and shape of the largest tensor any op made)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-    import torch
-
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numel, self.shape = 0, ()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                    self.numel, self.shape = t.numel(), tuple(t.shape)
-            return out
-
-    with Largest() as mode:
-        result = fn(*args)
-    return result, mode.numel, mode.shape
 
 
 def _head(rng, n_q, n_k, d, logit_scale):
@@ -193,7 +162,7 @@ def grade_softmax_backward(report: Report, softmax_backward):
         dp = _rand(rng, (rows, n), 2.0)
         truth = p * (dp - (p * dp).sum(axis=1, keepdims=True))
         tp, tdp = torch.tensor(p, dtype=torch.float32), torch.tensor(dp, dtype=torch.float32)
-        ref = _np(tp * (tdp - (tp * tdp).sum(dim=1, keepdim=True))).astype(np.float64)
+        ref = to_numpy(tp * (tdp - (tp * tdp).sum(dim=1, keepdim=True))).astype(np.float64)
         what = f"{rows} rows of {n} probabilities" + (" (scores of ±1000: most are 0)" if spread > 100 else "")
         before = report.failures
         got = guarded(report, what, softmax_backward, tp.clone(), tdp.clone())
@@ -237,7 +206,7 @@ def grade_delta(report: Report, delta_from_probs, delta):
         got = guarded(report, f"delta_from_probs, {what}", delta_from_probs, t(p), t(dp))
         if report.failures > before:
             return
-        ref = _np((t(p) * t(dp)).sum(dim=1)).astype(np.float64)
+        ref = to_numpy((t(p) * t(dp)).sum(dim=1)).astype(np.float64)
         ok, line = _check(got, truth, ref, f"delta_from_probs, {what}", floor=16 * 1.2e-7)
         if not ok:
             mistakes = [("D = rowsum(P ∘ dP): multiply by P before summing", dp.sum(axis=1)),
@@ -250,17 +219,17 @@ def grade_delta(report: Report, delta_from_probs, delta):
         got = guarded(report, f"delta, {what}", delta, t(o), t(do))
         if report.failures > before:
             return
-        if got is not None and tuple(np.shape(_np(got))) == (n_q, n_q):
+        if got is not None and tuple(np.shape(to_numpy(got))) == (n_q, n_q):
             return report.fail(f"delta, {what}: returned a ({n_q}, {n_q}) matrix: D is one number per row, "
                                "rowsum(dO ∘ O), the diagonal of dO Oᵀ without computing the rest")
-        ref = _np((t(o) * t(do)).sum(dim=1)).astype(np.float64)
+        ref = to_numpy((t(o) * t(do)).sum(dim=1)).astype(np.float64)
         ok, line = _check(got, truth, ref, f"delta, {what}", floor=16 * 1.2e-7)
         if not ok:
             mistakes = [("D has one value per query row: sum over the head dim, dim=-1", (do * o).sum(axis=0)
                          if n_q == d else None),
                         ("D = Σ_c dO_ic O_ic, a sum of products, not a product of sums", do.sum(1) * o.sum(1))]
             return _fail(report, line, _diagnose(got, mistakes, truth))
-        report.ok(f"{what}: both give D (max error {float(np.max(np.abs(_np(got) - truth))):.1g})")
+        report.ok(f"{what}: both give D (max error {float(np.max(np.abs(to_numpy(got) - truth))):.1g})")
 
 
 # ---- 07.3 the backward of one head, on whole matrices ---------------------------------------
@@ -344,7 +313,7 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
                 f"{', scores of ±1000' if ls > 100 else ''}")
         t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
         before = report.failures
-        got = guarded(report, what, _largest_made, tiled_attention_backward, t(q), t(k), t(v), t(o), t(lse), t(do),
+        got = guarded(report, what, largest_made, tiled_attention_backward, t(q), t(k), t(v), t(o), t(lse), t(do),
                       bm, bn, causal)
         if report.failures > before:
             return
@@ -416,7 +385,7 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         heads_in = [_head(rng, n_q, n_k, d, ls) for _ in range(heads)]
         # what the kernel is given, rounded to its dtype: the truth is computed from exactly these
-        rnd = lambda a: _np(torch.from_numpy(a).to(dt).float()).astype(np.float64)  # noqa: E731
+        rnd = lambda a: to_numpy(torch.from_numpy(a).to(dt).float()).astype(np.float64)  # noqa: E731
         q, k, v, do = (np.stack([rnd(h[j]) for h in heads_in]) for j in range(4))
         scale = 1 / math.sqrt(d)
         stats = [grads64(q[h], k[h], v[h], do[h], scale)[3] for h in range(heads)]
@@ -471,7 +440,7 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
                     dk_t * scale)],
         }
         for name, got_t, truth, r in (("dv", tdv, dv_t, ref[1]), ("dk", tdk, dk_t, ref[0])):
-            got = _np(got_t.float() if dtype != "fp32" else got_t)
+            got = to_numpy(got_t.float() if dtype != "fp32" else got_t)
             if (got == 0).all():
                 return report.fail(f"{what}: {name} is all zeros: is the loop body still a stub?")
             ok, line = compare(got, truth, r, what=f"{name}, {what}", rtol_floor=floor)
@@ -588,7 +557,7 @@ def grade_function(report: Report, FlashAttentionFn):
         q, k, v, do = (np.stack([h[j] for h in heads]).reshape(B, H, -1, d) for j in range(4))
         leaves = [torch.tensor(a, device=dev).to(dt).requires_grad_() for a in (q, k, v)]
         tdo = torch.tensor(do, device=dev).to(dt)
-        q, k, v, do = (_np(t.detach().float()).astype(np.float64) for t in (*leaves, tdo))
+        q, k, v, do = (to_numpy(t.detach().float()).astype(np.float64) for t in (*leaves, tdo))
         what = f"(B, H, N_Q, N_K, d) = {(B, H, n_q, n_k, d)}{', causal' if causal else ''}" + \
                (", scores of ±1000" if ls > 100 else "")
         before = report.failures
@@ -602,7 +571,7 @@ def grade_function(report: Report, FlashAttentionFn):
             return report.fail(f"forward, {what}: the output has no grad_fn: call FlashAttentionFn.apply(q, k, v, causal)")
         o_truth = np.stack([grads64(q[b, h], k[b, h], v[b, h], do[b, h], 1 / math.sqrt(d), causal)[3]["o"]
                             for b in range(B) for h in range(H)]).reshape(B, H, n_q, d)
-        ok, line = compare(_np(out.float()), o_truth, None, what=f"o, {what}", rtol_floor=64 * float(torch.finfo(dt).eps))
+        ok, line = compare(to_numpy(out.float()), o_truth, None, what=f"o, {what}", rtol_floor=64 * float(torch.finfo(dt).eps))
         if not ok:
             return _fail(report, line, "the forward returns o from flash_attention(q, k, v, causal=causal)")
         # what the forward kept for the backward: saved tensors and tensors stored on ctx
@@ -626,7 +595,7 @@ def grade_function(report: Report, FlashAttentionFn):
             ref = np.stack([_torch_grads(q[b, h], k[b, h], v[b, h], do[b, h], 1 / math.sqrt(d), causal, dt, dev)[j]
                             for b in range(B) for h in range(H)]).reshape(truth.shape)
             floor = _floor(q[0, 0], k[0, 0], 1 / math.sqrt(d), eps) if dt == torch.float32 else 8 * eps
-            ok, line = compare(_np(grads[j].float()), truth, ref, what=f"{name}, {what}", rtol_floor=floor)
+            ok, line = compare(to_numpy(grads[j].float()), truth, ref, what=f"{name}, {what}", rtol_floor=floor)
             if not ok:
                 hint = None
                 others = [np.stack([g[m] for g in per_head]).reshape(leaves[m].shape) for m in range(3) if m != j]

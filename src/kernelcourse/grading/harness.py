@@ -158,6 +158,30 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def largest_made(fn, *args):
+    """Run fn(*args) and return (result, numel and shape of the largest tensor any op made): how a
+    grader checks that learner code never holds a whole row or an N x N matrix (chapters 06-07)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel, self.shape = 0, ()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                    self.numel, self.shape = t.numel(), tuple(t.shape)
+            return out
+
+    with Largest() as mode:
+        result = fn(*args)
+    return result, mode.numel, mode.shape
+
+
 def reproduces(got, wrong, truth=None, tol: float = 0.0) -> float | None:
     """How closely ``got`` reproduces the wrong result ``wrong`` (the largest difference), or None when it
     does not: the one diagnosis rule of the Triton graders.
