@@ -19,6 +19,12 @@ kc.setup()
 from numba import cuda  # noqa: E402  (after setup: the simulator is chosen by the environment)
 import torch  # noqa: E402
 
+# The correct kernels of exercises 01.4, 04.4 and 05.2, as their own tests keep them: the speed exercises
+# launch them at other sizes and tiles.
+from tests.test_grading_ch01 import madd_ok  # noqa: E402
+from tests.test_grading_ch04 import rms_ok  # noqa: E402
+from tests.test_grading_ch05 import mm_ok  # noqa: E402
+
 GPU = kc.world().gpu
 needs_gpu = pytest.mark.skipif(not GPU, reason="speed is graded on a GPU only")
 cpu_only = pytest.mark.skipif(GPU, reason="on a GPU the speed check is graded")
@@ -29,13 +35,6 @@ def _speed_line(text: str) -> str:
 
 
 # ---- 01.6 matrix add at the memory's speed ----------------------------------------------------------
-
-@cuda.jit
-def _add_rows_fast(A, B, C):
-    col, row = cuda.grid(2)
-    if row < C.shape[0] and col < C.shape[1]:
-        C[row, col] = A[row, col] + B[row, col]
-
 
 @cuda.jit
 def _add_cols_slow(A, B, C):
@@ -62,7 +61,7 @@ def _add_no_bounds(A, B, C):
 
 def matrix_add_fast(A, B, C):
     grid = ((C.shape[1] + 31) // 32, (C.shape[0] + 7) // 8)
-    _add_rows_fast[grid, (32, 8)](A, B, C)
+    madd_ok[grid, (32, 8)](A, B, C)
 
 
 def matrix_add_slow(A, B, C):  # the naive version: correct, uncoalesced
@@ -76,7 +75,7 @@ def matrix_add_flat(A, B, C):
 
 def matrix_add_short_grid(A, B, C):  # forgets the partial blocks
     grid = (C.shape[1] // 32, C.shape[0] // 8)
-    _add_rows_fast[grid or (1, 1), (32, 8)](A, B, C)
+    madd_ok[grid or (1, 1), (32, 8)](A, B, C)
 
 
 def matrix_add_no_bounds(A, B, C):
@@ -101,7 +100,7 @@ def test_01_6_speed_is_not_graded_on_the_cpu():
 
 @pytest.mark.parametrize("fn, hint", [
     (matrix_add_short_grid, "never written"),
-    (_add_rows_fast, "plain Python function"),
+    (madd_ok, "plain Python function"),
 ])
 def test_01_6_rejects_wrong(fn, hint):
     passed, text = grade("01.6", matrix_add=fn)
@@ -140,17 +139,6 @@ def _rms_rows_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, ep
              mask=mask)
 
 
-@triton.jit
-def _rms_one_row_kernel(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(y_ptr + row * stride_y + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def _rows_launcher(rows_target, mask_rows=True, grid_floor=False):
     def rms_norm_rows(x, w, eps):
         n_rows, n_cols = x.shape
@@ -166,7 +154,7 @@ def _rows_launcher(rows_target, mask_rows=True, grid_floor=False):
 
 def rms_norm_one_row(x, w, eps):  # the naive version: 04.4's kernel, one row per program
     y = torch.empty_like(x)
-    _rms_one_row_kernel[(x.shape[0],)](x, w, y, x.shape[1], x.stride(0), y.stride(0), eps,
+    rms_ok[(x.shape[0],)](x, w, y, x.shape[1], x.stride(0), y.stride(0), eps,
                                        BLOCK=triton.next_power_of_2(x.shape[1]))
     return y
 
@@ -211,33 +199,13 @@ def test_04_5_naive_fails_and_solution_passes_on_speed():
 
 # ---- 05.4 tiles for your GPU ----------------------------------------------------------------------------
 
-@triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
 GOOD = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
 NAIVE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("config", [GOOD, NAIVE, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=2, num_stages=1)])
 def test_05_4_correct_configs_pass_the_correctness_checks(config):
-    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=config)
+    passed, text = grade("05.4", matmul_kernel=mm_ok, matmul_config=config)
     if GPU and config is not GOOD:
         return
     assert passed, text
@@ -252,7 +220,7 @@ def test_05_4_correct_configs_pass_the_correctness_checks(config):
     (dict(GOOD, num_warps=3), "num_warps"),
 ])
 def test_05_4_rejects_wrong_configs(config, hint):
-    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=config)
+    passed, text = grade("05.4", matmul_kernel=mm_ok, matmul_config=config)
     assert not passed
     assert hint in text, text
 
@@ -264,9 +232,9 @@ def test_05_4_needs_a_kernel():
 
 @needs_gpu
 def test_05_4_naive_tiles_fail_and_large_tiles_pass_on_speed():
-    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=NAIVE)
+    passed, text = grade("05.4", matmul_kernel=mm_ok, matmul_config=NAIVE)
     assert not passed and "needs at least 0.5x" in _speed_line(text), text
-    passed, text = grade("05.4", matmul_kernel=_matmul_kernel, matmul_config=GOOD)
+    passed, text = grade("05.4", matmul_kernel=mm_ok, matmul_config=GOOD)
     assert passed, text
 
 
@@ -274,7 +242,7 @@ def test_05_4_naive_tiles_fail_and_large_tiles_pass_on_speed():
 @pytest.mark.parametrize("exercise, objects", [
     ("01.6", dict(matrix_add=matrix_add_fast)),
     ("04.5", dict(rms_norm_rows=_rows_launcher(4096))),
-    ("05.4", dict(matmul_kernel=_matmul_kernel, matmul_config=GOOD)),
+    ("05.4", dict(matmul_kernel=mm_ok, matmul_config=GOOD)),
 ])
 def test_without_a_gpu_the_speed_line_is_not_graded_never_passed(exercise, objects):
     passed, text = grade(exercise, **objects)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import Report, Stop, as_number, call, exercise, fresh_rng, guarded
+from . import Report, Stop, as_number, call, exercise, fresh_rng
 
 RTOL = 1e-4
 
@@ -308,24 +308,24 @@ def _x_roof(row: dict, bandwidth_gbps: float, peak_tflops: float) -> float:
     return achieved / min(peak_tflops, row["flops"] / row["nbytes"] * bandwidth_gbps / 1e3)
 
 
-def _as_names(report: Report, call: str, got, kind: str) -> list | None:
-    if got is None:
-        report.fail(f"{call} returned None: did you forget `return`?")
-        return None
+def _names(report: Report, what: str, kind: str, fn, *args) -> list:
+    """What learner code returned, as a list of ``kind``; stops the exercise if it raised, returned None or
+    returned something that is not a list."""
+    got = call(report, what, fn, *args)
     if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
-        report.fail(f"{call} returned {got!r}: return a list of {kind}")
-        return None
+        report.fail(f"{what} returned {got!r}: return a list of {kind}")
+        raise Stop
     return list(got)
 
 
-def _grade_selection(report: Report, call: str, got: list, want: list, describe, mistakes) -> bool:
+def _grade_selection(report: Report, what: str, got: list, want: list, describe, mistakes) -> bool:
     """``got`` and ``want`` are lists compared as sets; ``mistakes`` lists (wrong answer, hint) pairs."""
     if sorted(map(str, got)) == sorted(map(str, want)):
-        report.ok(f"{call} = {describe(want)}")
+        report.ok(f"{what} = {describe(want)}")
         return True
     hint = next((h for wrong, h in mistakes if sorted(map(str, got)) == sorted(map(str, wrong))
                  and sorted(map(str, wrong)) != sorted(map(str, want))), None)
-    report.fail(f"{call} returned {describe(got)}, expected {describe(want)}" + (f": {hint}" if hint else ""))
+    report.fail(f"{what} returned {describe(got)}, expected {describe(want)}" + (f": {hint}" if hint else ""))
     return False
 
 
@@ -334,15 +334,10 @@ def grade_impossible_timings(report: Report, impossible_timings):
     rows = _recorded("02_timing")
     bw, peak = _recorded_ceilings()
     for label, (b, p) in (("the recorded GPU's ceilings", (bw, peak)), ("a T4's datasheet ceilings", _T4)):
-        call = f"impossible_timings(recorded 02_timing rows, {b:.0f}, {p:.1f})  [{label}]"
-        got = guarded(report, call, impossible_timings, [dict(r) for r in rows], b, p)
-        if report.failures:
-            return
-        got = _as_names(report, call, got, "row indices")
-        if got is None:
-            return
+        what = f"impossible_timings(recorded 02_timing rows, {b:.0f}, {p:.1f})  [{label}]"
+        got = _names(report, what, "row indices", impossible_timings, [dict(r) for r in rows], b, p)
         if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in got):
-            return report.fail(f"{call} returned {got!r}: return the indices (ints) of the rows, not the rows")
+            return report.fail(f"{what} returned {got!r}: return the indices (ints) of the rows, not the rows")
         x = [_x_roof(r, b, p) for r in rows]
         want = [i for i, v in enumerate(x) if v > 1.1]
         compute_only = [i for i, r in enumerate(rows)
@@ -361,7 +356,7 @@ def grade_impossible_timings(report: Report, impossible_timings):
             named = [f"{i} ({rows[i]['op']}, {rows[i]['method']})" if isinstance(i, (int, np.integer))
                      and 0 <= i < len(rows) else repr(i) for i in idx]
             return "[" + ", ".join(named if len(named) <= 4 else named[:3] + [f"... {len(named)} rows in all"]) + "]"
-        if not _grade_selection(report, call, got, want, describe, mistakes):
+        if not _grade_selection(report, what, got, want, describe, mistakes):
             return
 
 
@@ -382,13 +377,8 @@ def grade_served_from_l2(report: Report, served_from_l2):
         if r["op"] == ops[-1] and r["method"].startswith("hot"):
             r["ms"] /= 3
     for label, data in (("recorded", rows), ("with a larger L2", bigger_l2)):
-        call = f"served_from_l2({label} L2 rows, factor=1.5)"
-        got = guarded(report, call, served_from_l2, [dict(r) for r in data], 1.5)
-        if report.failures:
-            return
-        got = _as_names(report, call, got, "op names (the rows' 'op')")
-        if got is None:
-            return
+        what = f"served_from_l2({label} L2 rows, factor=1.5)"
+        got = _names(report, what, "op names (the rows' 'op')", served_from_l2, [dict(r) for r in data], 1.5)
         want = [op for op in ops if speedup(op, data) >= 1.5]
         mistakes = [
             ([op for op in ops if 1 / speedup(op, data) >= 1.5], "inverted: the speed-up is the flushed time "
@@ -400,7 +390,7 @@ def grade_served_from_l2(report: Report, served_from_l2):
         ]
         describe = lambda names: "[" + ", ".join(f"{n} ({speedup(n, data):.2f}x)" if n in ops else repr(n)
                                                  for n in names) + "]"
-        if not _grade_selection(report, call, got, want, describe, mistakes):
+        if not _grade_selection(report, what, got, want, describe, mistakes):
             return
 
 
@@ -409,13 +399,8 @@ def grade_below_half_roof(report: Report, below_half_roof):
     rows = _recorded("02_ops")
     bw, peak = _recorded_ceilings()
     for label, (b, p) in (("the recorded GPU's ceilings", (bw, peak)), ("a T4's datasheet ceilings", _T4)):
-        call = f"below_half_roof(recorded 02_ops rows, {b:.0f}, {p:.1f})  [{label}]"
-        got = guarded(report, call, below_half_roof, [dict(r) for r in rows], b, p)
-        if report.failures:
-            return
-        got = _as_names(report, call, got, "op names")
-        if got is None:
-            return
+        what = f"below_half_roof(recorded 02_ops rows, {b:.0f}, {p:.1f})  [{label}]"
+        got = _names(report, what, "op names", below_half_roof, [dict(r) for r in rows], b, p)
         x = {r["op"]: _x_roof(r, b, p) for r in rows}
         want = [op for op, v in x.items() if v < 0.5]
         tflops = {r["op"]: r["flops"] / (r["ms"] * 1e-3) / 1e12 for r in rows}
@@ -428,5 +413,5 @@ def grade_below_half_roof(report: Report, below_half_roof):
             ([op for op, v in x.items() if v > 0.5], "inverted: keep the ops that reach less than half their roof"),
         ]
         describe = lambda names: "[" + ", ".join(f"{n} ({x[n]:.0%})" if n in x else repr(n) for n in names) + "]"
-        if not _grade_selection(report, call, got, want, describe, mistakes):
+        if not _grade_selection(report, what, got, want, describe, mistakes):
             return
