@@ -14,3 +14,15 @@ def grade(exercise_id: str, **objects) -> tuple[bool, str]:
         except kc.grading.GradeFailure:
             passed = False
     return passed, out.getvalue()
+
+
+def memorised(correct, default=1):
+    """A correct function that records its answers, and a table of them that answers nothing else
+    (``default`` for a question it has not seen): what a learner who copied a run's answers submits."""
+    table = {}
+
+    def recording(*args):
+        table[args] = correct(*args)
+        return table[args]
+
+    return recording, lambda *args: table.get(args, default)

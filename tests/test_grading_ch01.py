@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 from numba import cuda
 
-from tests.helpers import grade
+from tests.helpers import grade, memorised
 
 # ---- 01.1 global index and bounds check ----------------------------------------------------------
 
@@ -271,17 +271,6 @@ def test_endless_loop_hits_the_time_limit(monkeypatch):
 
 
 # ---- fresh cases: a table of answers cannot pass ---------------------------------------------------
-
-
-def memorised(correct):
-    """A correct function that records its answers, and a table of them that answers nothing else."""
-    table = {}
-
-    def recording(*args):
-        table[args] = correct(*args)
-        return table[args]
-
-    return recording, lambda *args: table.get(args, 1)
 
 
 @pytest.mark.parametrize("exercise, name, correct", [

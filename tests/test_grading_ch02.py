@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import grade
+from tests.helpers import grade, memorised
 
 # ---- 02.2 FLOPs and minimal bytes of a matmul ------------------------------------------------------
 
@@ -165,17 +165,6 @@ def test_02_8_rejects_wrong(fn, hint):
 # ---- fresh cases: a table of answers cannot pass ---------------------------------------------------
 
 
-def memorised(correct):
-    """A correct function that records its answers, and a table of them that answers nothing else."""
-    table = {}
-
-    def recording(*args):
-        table[args] = correct(*args)
-        return table[args]
-
-    return recording, lambda *args: table.get(args, 1.0)
-
-
 @pytest.mark.parametrize("exercise, name, correct", [
     ("02.2", "matmul_flops_bytes", lambda M, N, K, s: (2 * M * N * K, (M * K + K * N + M * N) * s)),
     ("02.5", "ridge_point", lambda p, b: p * 1e12 / (b * 1e9)),
@@ -186,7 +175,7 @@ def memorised(correct):
 def test_cases_are_fresh_every_run(exercise, name, correct, monkeypatch):
     monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
     monkeypatch.delenv("KC_GRADE_SEED", raising=False)
-    recording, table = memorised(correct)
+    recording, table = memorised(correct, default=1.0)
     assert grade(exercise, **{name: recording})[0]
     passed, text = grade(exercise, **{name: table})
     assert not passed, text

@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 import kernelcourse as kc
 from kernelcourse.grading import ch03
-from tests.helpers import grade
+from tests.helpers import grade, memorised
 
 # ---- the reference counts agree with the ledger ------------------------------------------------
 
@@ -291,17 +291,6 @@ def test_stubs_fail():
 
 
 # ---- fresh cases: a table of answers cannot pass ---------------------------------------------------
-
-
-def memorised(correct):
-    """A correct function that records its answers, and a table of them that answers nothing else."""
-    table = {}
-
-    def recording(*args):
-        table[args] = correct(*args)
-        return table[args]
-
-    return recording, lambda *args: table.get(args, 1)
 
 
 @pytest.mark.parametrize("exercise, name, correct", [

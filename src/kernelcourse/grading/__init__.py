@@ -308,6 +308,17 @@ def call(report: Report, what: str, fn, *args, **kwargs):
     return got
 
 
+def as_tuple(report: Report, what: str, got, n: int):
+    """The learner's return value as a tuple of ``n`` values, or None after recording why it is not one."""
+    if got is None:
+        report.fail(f"{what} returned None: did you forget `return`?")
+        return None
+    if not isinstance(got, (tuple, list)) or len(got) != n:
+        report.fail(f"{what} returned {type(got).__name__}: return a tuple of {n} values")
+        return None
+    return got
+
+
 def as_number(report: Report, what: str, got) -> float | None:
     """The learner's return value as a float, or None after recording why it is not a number."""
     if got is None:

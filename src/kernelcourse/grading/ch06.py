@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, call, compare, exercise, guarded, tolerance_of
+from . import POISON, Report, as_tuple, call, compare, exercise, guarded, tolerance_of
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
 _np = to_numpy
@@ -43,17 +43,6 @@ def _check(report: Report, got, truth, reference, what: str, floor: float = 64.0
 
 def _fail(report: Report, line: str, hint: str | None) -> None:
     report.fail(f"{line}: {hint}" if hint else line)
-
-
-def _pair(report: Report, what: str, got, n: int = 2):
-    """Unpack a learner's tuple result, or record why it cannot be."""
-    if got is None:
-        report.fail(f"{what} returned None: did you forget `return`?")
-        return None
-    if not isinstance(got, (tuple, list)) or len(got) != n:
-        report.fail(f"{what} returned {type(got).__name__}: return a tuple of {n} values")
-        return None
-    return got
 
 
 def attention64(q, k, v, scale, causal=False, keep=None, fill=-np.inf):
@@ -186,7 +175,7 @@ def grade_combine(report: Report, combine_splits):
                 what += ", one split empty (lse = -inf)"
             what += f", seed {seed}"
             got = call(report, what, combine_splits, o32.clone(), l32.clone())
-            got = _pair(report, f"combine_splits ({what})", got)
+            got = as_tuple(report, f"combine_splits ({what})", got, 2)
             if got is None:
                 return
             # PyTorch's own float32 way, for the tolerance: weights from softmax over the lse
@@ -295,7 +284,7 @@ def grade_online_stats(report: Report, online_softmax_stats):
             if numel > longest and numel >= row:
                 return report.fail(f"{what}: a tensor of shape {shape} was made, as large as the whole row of {row} "
                                    "values: keep only the running max and sum, one block at a time")
-            got = _pair(report, f"online_softmax_stats ({what})", got)
+            got = as_tuple(report, f"online_softmax_stats ({what})", got, 2)
             if got is None:
                 return
             x64 = np.concatenate(blocks).astype(np.float64)
@@ -393,7 +382,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
             tq, tk, tv = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v))
             got = call(report, what, largest_made, tiled_attention, tq, tk, tv, bn, causal)
             got, numel, shape = got
-            got = _pair(report, f"tiled_attention ({what})", got)
+            got = as_tuple(report, f"tiled_attention ({what})", got, 2)
             if got is None:
                 return
             # PyTorch's float32 error, for the tolerance: the worse of scaling the scores or the queries
@@ -640,7 +629,7 @@ def grade_causal(report: Report, causal_tile, key_range):
     for start_m, bm, bn, n_k in cases:
         asked = f"key_range({start_m}, {bm}, {bn}, {n_k})"
         got = call(report, asked, key_range, start_m, bm, bn, n_k)
-        got = _pair(report, asked, got)
+        got = as_tuple(report, asked, got, 2)
         if got is None:
             return
         try:

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, guarded, speed_vs_peer
+from . import POISON, Report, as_tuple, compare, exercise, guarded, speed_vs_peer
 from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
 
 LOG2E = 1.4426950408889634
@@ -70,16 +70,6 @@ def _diagnose(got, mistakes, truth) -> str | None:
 
 def _fail(report: Report, line: str, hint: str | None) -> None:
     report.fail(f"{line}: {hint}" if hint else line)
-
-
-def _tuple(report: Report, what: str, got, n: int):
-    if got is None:
-        report.fail(f"{what} returned None: did you forget `return`?")
-        return None
-    if not isinstance(got, (tuple, list)) or len(got) != n:
-        report.fail(f"{what} returned {type(got).__name__}: return a tuple of {n} values")
-        return None
-    return got
 
 
 def grads64(q, k, v, do, scale, causal=False, bug=None):
@@ -284,7 +274,7 @@ def grade_attention_backward(report: Report, attention_backward):
         got = guarded(report, what, attention_backward, t(q), t(k), t(v), t(do), causal)
         if report.failures > before:
             return
-        got = _tuple(report, f"attention_backward ({what})", got, 3)
+        got = as_tuple(report, f"attention_backward ({what})", got, 3)
         if got is None:
             return
         if not _check_grads(report, got, q, k, v, do, scale, causal, what, _floor(q, k, scale, 1.2e-7)):
@@ -318,7 +308,7 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
         if report.failures > before:
             return
         got, numel, shape = got
-        got = _tuple(report, f"tiled_attention_backward ({what})", got, 3)
+        got = as_tuple(report, f"tiled_attention_backward ({what})", got, 3)
         if got is None:
             return
         truth = grads64(q, k, v, do, scale, causal)[:3]
@@ -516,7 +506,7 @@ def grade_query_range(report: Report, query_range):
         got = guarded(report, call, query_range, start_n, bm, bn)
         if report.failures > before:
             return
-        got = _tuple(report, call, got, 2)
+        got = as_tuple(report, call, got, 2)
         if got is None:
             return
         try:
