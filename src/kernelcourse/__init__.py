@@ -4,16 +4,17 @@
 the world (a real GPU, or Triton's interpreter and numba's CUDA simulator) before either is imported.
 Submodules load on first use: ``kc.bench``, ``kc.grading``, ``kc.plots``, ``kc.cuda_cpp``,
 ``kc.roofline`` (chapter 02), ``kc.ledger`` (chapter 03), ``kc.kernels`` (chapters 04-05),
-``kc.attention`` (chapter 06), ``kc.attention_backward`` (chapter 07).
+``kc.attention`` (chapter 06), ``kc.attention_backward`` (chapter 07),
+``kc.transformer`` (chapter 08).
 """
 import importlib
 
 from .world import World, setup, world
 
 __version__ = "0.1.0"
-__all__ = ["World", "setup", "world", "attention", "attention_backward", "bench", "cuda_cpp", "grading", "kernels", "ledger", "plots", "roofline"]
+__all__ = ["World", "setup", "world", "attention", "attention_backward", "bench", "cuda_cpp", "grading", "kernels", "ledger", "plots", "roofline", "transformer"]
 
-_LAZY = {"attention", "attention_backward", "bench", "cuda_cpp", "grading", "kernels", "ledger", "plots", "roofline"}
+_LAZY = {"attention", "attention_backward", "bench", "cuda_cpp", "grading", "kernels", "ledger", "plots", "roofline", "transformer"}
 
 
 def __getattr__(name):

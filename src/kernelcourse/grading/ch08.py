@@ -1,0 +1,339 @@
+"""Graders for chapter 08, the transformer block (Triton's interpreter on the CPU, compiled on a GPU).
+
+The kernel graders work like chapter 04's (see ``ch04``): inputs framed by NaN or by a finite pad,
+outputs framed by poison, a float64 truth, a tolerance of twice PyTorch's own error. The trace
+exercise reads the profiler traces the lesson recorded on a GPU, shipped with the package, so it is
+graded the same way on any machine.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..world import world
+from . import POISON, Report, compare, exercise, guarded, number, speed_vs_peer
+from .ch04 import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
+                   nothing_written, outside_writes, rand, sizes, tolerance)
+
+EPS = 1e-5
+
+
+def ln_parts64(x, w, dy, eps=EPS):
+    """Float64 pieces of the LayerNorm backward for rows of x: (xhat, rstd, g = dy * w)."""
+    mean = x.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps)
+    return (x - mean) * rstd, rstd, dy * w
+
+
+def ln_dx64(x, w, dy, eps=EPS):
+    xhat, rstd, g = ln_parts64(x, w, dy, eps)
+    return rstd * (g - xhat * (xhat * g).mean(-1, keepdims=True) - g.mean(-1, keepdims=True))
+
+
+def _torch_dx(x, w, dy):
+    """PyTorch's dX at the kernel's precision, on this device: the tolerance's reference."""
+    import torch
+
+    from ..transformer import layer_norm_backward_ref
+
+    dev = world().device
+    t = lambda a: torch.from_numpy(a).to(dev, torch.float32)  # noqa: E731
+    return layer_norm_backward_ref(t(x), t(w), t(dy), EPS)[0].cpu().double().numpy()
+
+
+def _dx_mistakes(x, w, dy, block):
+    xhat, rstd, g = ln_parts64(x, w, dy)
+    c1, c2 = (xhat * g).mean(-1, keepdims=True), g.mean(-1, keepdims=True)
+    n = x.shape[-1]
+    mean = x.mean(-1, keepdims=True)
+    # the variance taken over the whole block, padding (0 - mean) included
+    var_pad = (((x - mean) ** 2).sum(-1, keepdims=True) + (block - n) * mean ** 2) / n
+    xhat_pad = (x - mean) / np.sqrt(var_pad + EPS)
+    return [
+        ("the gradient reaching x̂ is g = dy * w: multiply dy by the weight first", ln_dx64(x, np.ones_like(w), dy)),
+        ("dX = rstd * (g - x̂ * mean(x̂ * g) - mean(g)): the mean(g) term is missing", rstd * (g - xhat * c1)),
+        ("dX = rstd * (g - x̂ * mean(x̂ * g) - mean(g)): the x̂ * mean(x̂ * g) term is missing", rstd * (g - c2)),
+        ("dX = rstd * (g - ...): the factor rstd is missing", g - xhat * c1 - c2),
+        ("the means divide by n_cols, not by BLOCK", rstd * (g - xhat * (xhat * g).sum(-1, keepdims=True) / block
+                                                          - g.sum(-1, keepdims=True) / block)),
+        ("x - mean is not 0 in the padding: zero it with tl.where(mask, x - mean, 0.0) before the variance",
+         (1.0 / np.sqrt(var_pad + EPS)) * (g - xhat_pad * (xhat_pad * g).mean(-1, keepdims=True) - c2)),
+    ]
+
+
+# ---- 08.1 LayerNorm backward: dX -----------------------------------------------------------------
+
+
+@exercise("08.1", "LayerNorm backward: dX row by row", names=("layer_norm_dx_kernel",))
+def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
+    if (msg := not_a_kernel(layer_norm_dx_kernel, "layer_norm_dx_kernel")):
+        return report.fail(msg)
+    for rows, cols in sizes([(5, 37), (3, 128), (4, 200)], [(513, 768), (64, 3000)]):
+        block = 1 << (cols - 1).bit_length()
+        for seed in (0, 1):
+            rng = np.random.default_rng(1000 * rows + cols + seed)
+            x64 = rand(rng, (rows, cols)) + rng.uniform(-2, 2, (rows, 1))  # rows with a mean far from 0
+            w64 = rng.uniform(0.5, 1.5, cols)
+            dy64 = rand(rng, (rows, cols))
+            x_full, x = framed(x64, "fp32", PAD, pad_rows=1, pad_cols=3)
+            dy_full, dy = framed(dy64, "fp32", PAD, pad_rows=1, pad_cols=3)
+            _, w = framed(w64, "fp32", NAN)
+            dx_full, dx = framed(np.full((rows, cols), POISON), "fp32", POISON, pad_rows=1, pad_cols=3)
+            what = f"{rows} x {cols}, seed {seed}"
+            if not launch(report, what, layer_norm_dx_kernel, (rows,), x, dy, w, dx, cols, x.stride(0), EPS, BLOCK=block):
+                return
+            if outside_writes(POISON, dx_full, data_mask(dx_full.shape, rows, cols)):
+                return report.fail(f"{what}: wrote outside dx's rows: mask the store with cols < n_cols "
+                                   "and use the row stride")
+            got = host(dx)
+            if nothing_written(got):
+                return report.fail(f"{what}: {STUB}")
+            xs, ws, dys = exact(x), exact(w), exact(dy)
+            truth = ln_dx64(xs, ws, dys)
+            ref = _torch_dx(xs, ws, dys)
+            ok, line = compare(got, truth, ref, what=f"dX, {what}", rtol_floor=8 * float(np.finfo(np.float32).eps))
+            if not ok and "never written" not in line:
+                hint = diagnose(got, _dx_mistakes(xs, ws, dys, block), tolerance(truth, ref, np.float32))
+                if hint:
+                    line += f": {hint}"
+            if not report.expect(ok, line, line):
+                return
+
+
+# ---- 08.2 dW and dB: summing partial sums ---------------------------------------------------------
+
+
+@exercise("08.2", "dW and dB: the column sum of partial sums", names=("column_sum_kernel",))
+def grade_column_sum(report: Report, column_sum_kernel):
+    if (msg := not_a_kernel(column_sum_kernel, "column_sum_kernel")):
+        return report.fail(msg)
+    BLOCK_P, BLOCK_N = 16, 32
+    for n_parts, n_cols in sizes([(40, 70), (16, 32), (5, 100), (100, 33), (1, 7)], [(528, 1536), (1000, 4096)]):
+        for seed in (0, 1):
+            rng = np.random.default_rng(31 * n_parts + n_cols + seed)
+            p64 = rand(rng, (n_parts, n_cols))
+            _, part = framed(p64, "fp32", NAN, pad_rows=BLOCK_P, pad_cols=5)
+            out_full, out = framed(np.full(n_cols, POISON), "fp32", POISON)
+            what = f"{n_parts} partial sums of {n_cols} columns, seed {seed}"
+            grid = (-(-n_cols // BLOCK_N),)
+            if not launch(report, what, column_sum_kernel, grid, part, out, n_parts, n_cols, part.stride(0),
+                          BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N):
+                return
+            if outside_writes(POISON, out_full, data_mask(out_full.shape, n_cols)):
+                return report.fail(f"{what}: wrote past the end of out: mask the store with cols < n_cols")
+            got = host(out)
+            if nothing_written(got):
+                return report.fail(f"{what}: {STUB}")
+            ps = exact(part)
+            truth = ps.sum(0)
+            ok, line = compare(got, truth, ps.astype(np.float32).sum(0, dtype=np.float32), what=what,
+                               rtol_floor=4 * n_parts * float(np.finfo(np.float32).eps))
+            if not ok:
+                if np.isnan(got).any():
+                    line += (": NaN came from rows past n_parts: mask the loads with rows < n_parts "
+                             "(the last step of the loop runs past the end)")
+                elif np.allclose(got, ps[:BLOCK_P].sum(0), rtol=1e-4, atol=1e-4):
+                    line += ": only the first BLOCK_P rows were added: loop over all n_parts rows, BLOCK_P at a time"
+                elif n_parts > 1 and np.allclose(got, ps[-((n_parts - 1) % BLOCK_P + 1):].sum(0), rtol=1e-4, atol=1e-4):
+                    line += ": the accumulator is overwritten in each step of the loop: add to it (acc += ...)"
+            if not report.expect(ok, line, line):
+                return
+
+
+# ---- 08.3 the block's FLOPs and bytes -----------------------------------------------------------
+
+
+@exercise("08.3", "the block's FLOPs and bytes", names=("block_flops", "block_min_bytes"), time_limit_s=20)
+def grade_block_counts(report: Report, block_flops, block_min_bytes):
+    from .. import transformer as T
+
+    cases = [(8, 1024, 768, True), (1, 128, 64, False), (4, 2048, 1024, True), (2, 300, 96, False)]
+    for B, N, d, causal in cases:
+        what = f"block_flops(B={B}, N={N}, d={d}, causal={causal})"
+        got = number(report, what, block_flops, B, N, d, causal)
+        if got is None:
+            return
+        want = T.block_flops(B, N, d, causal)
+        mm, attn = 24 * B * N * d * d, 4 * B * N * N * d * (0.5 if causal else 1.0)
+        hints = [(want / 2, "each multiply-add is 2 FLOPs: a (M, K) x (K, N) matmul is 2·M·K·N"),
+                 (mm, "attention's two products (q kᵀ and p v) are missing: 4·B·N²·d, half when causal"),
+                 (mm + 4 * B * N * N * d, "with a causal mask only half the scores are computed"),
+                 (16 * B * N * d * d + attn, "the MLP's hidden layer is 4·d wide: its two matmuls are 16·B·N·d²"),
+                 (8 * B * N * d * d + attn, "count all four projections: QKV (d x 3d), output (d x d), MLP (d x 4d, 4d x d)")]
+        if not _expect_number(report, what, got, want, hints):
+            return
+    for B, N, d, itemsize in [(8, 1024, 768, 2), (1, 128, 64, 4), (4, 2048, 1024, 2)]:
+        what = f"block_min_bytes(B={B}, N={N}, d={d}, itemsize={itemsize})"
+        got = number(report, what, block_min_bytes, B, N, d, itemsize)
+        if got is None:
+            return
+        want = T.block_min_bytes(B, N, d, itemsize)
+        hints = [(want / itemsize, "multiply the element count by itemsize, the bytes per element"),
+                 (12 * d * d * itemsize, "the input is read and the output written once: add 2·B·N·d elements"),
+                 ((4 * d * d + 2 * B * N * d) * itemsize, "the MLP's weights (8·d²) are read too: 12·d² in all"),
+                 ((12 * d * d + B * N * d) * itemsize, "count both the input read and the output written")]
+        if not _expect_number(report, what, got, want, hints):
+            return
+
+
+def _expect_number(report, what, got, want, hints) -> bool:
+    if math.isclose(got, want, rel_tol=1e-6):
+        report.ok(f"{what} = {got:.4g}")
+        return True
+    hint = next((h for v, h in hints if math.isclose(got, v, rel_tol=1e-6)), "")
+    report.fail(f"{what} = {got:.4g}, expected {want:.4g}" + (f": {hint}" if hint else ""))
+    return False
+
+
+# ---- 08.4 reading a profiler trace --------------------------------------------------------------
+
+
+def synthetic_trace() -> list[dict]:
+    """A small trace with known answers: a name launched often with short kernels beats the longest
+    single kernel, runtime calls that must not count as GPU time, two overlapping kernels, and a
+    first kernel that does not start at 0."""
+    ev = [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 400.0}]
+    t = 100.0
+    for i in range(6):
+        ev.append({"cat": "kernel", "name": "small_add_kernel", "ts": t, "dur": 20.0})
+        ev.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t - 5, "dur": 4.0})
+        t += 30.0
+    ev.append({"cat": "kernel", "name": "big_gemm_kernel", "ts": t + 10, "dur": 100.0})
+    ev.append({"cat": "kernel", "name": "side_stream_copy", "ts": t + 60, "dur": 80.0})  # overlaps the gemm
+    ev.append({"cat": "user_annotation", "name": "forward", "ts": 0.0, "dur": 600.0})
+    return ev
+
+
+@exercise("08.4", "reading a profiler trace", names=("dominant_kernel", "idle_share"), time_limit_s=30)
+def grade_trace(report: Report, dominant_kernel, idle_share):
+    import copy
+
+    from .. import bench
+    from .. import transformer as T
+
+    traces = [("the synthetic trace", synthetic_trace())]
+    for name in ("08_trace_course", "08_trace_eager"):
+        try:
+            traces.append((f"the recorded trace {name}", bench.load(name).rows))
+        except FileNotFoundError as exc:
+            return report.fail(str(exc))
+    for label, events in traces:
+        before = report.failures
+        got = guarded(report, f"dominant_kernel({label})", dominant_kernel, copy.deepcopy(events))
+        if report.failures > before:
+            return
+        if got is None:
+            return report.fail(f"dominant_kernel({label}) returned None: did you forget `return`?")
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return report.fail(f"dominant_kernel({label}) returned {got!r}: return a pair (name, share)")
+        top = T.by_kernel(events)[0]
+        gpu = [e for e in events if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
+        longest = max(gpu, key=lambda e: e["dur"])
+        name, share = got
+        if name != top["kernel"]:
+            hint = ("that is the longest single call; sum each name's calls first"
+                    if name == longest["name"] else "sum the durations of each kernel name over all its calls")
+            if name in {e["name"] for e in events if e["cat"] != "kernel"}:
+                hint = "only GPU events (cat 'kernel', 'gpu_memcpy', 'gpu_memset') ran on the GPU"
+            return report.fail(f"dominant_kernel({label}): {str(name)[:60]!r}, expected {top['kernel'][:60]!r}: {hint}")
+        share = as_float(report, f"dominant_kernel({label})'s share", share)
+        if share is None:
+            return
+        if not math.isclose(share, top["share"], rel_tol=1e-3, abs_tol=1e-4):
+            hint = ("a share is a fraction of the total GPU time, between 0 and 1"
+                    if share > 1 else "divide by the summed duration of every GPU event")
+            return report.fail(f"dominant_kernel({label}): share {share:.4f}, expected {top['share']:.4f}: {hint}")
+        report.ok(f"dominant_kernel({label}) = {top['kernel'][:50]!r}, {top['share']:.1%} of GPU time")
+
+        got = number(report, f"idle_share({label})", idle_share, copy.deepcopy(events))
+        if got is None:
+            return
+        want = T.gpu_idle(events)["idle_share"]
+        if not math.isclose(got, want, rel_tol=1e-3, abs_tol=1e-4):
+            span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+            naive = 1 - sum(e["dur"] for e in gpu) / span
+            from_zero = 1 - (span - want * span) / max(e["ts"] + e["dur"] for e in gpu)
+            hint = ("kernels that overlap cover that time once: merge the intervals before adding them up"
+                    if math.isclose(got, naive, rel_tol=1e-3) else
+                    "the span runs from the first kernel's start, not from 0"
+                    if math.isclose(got, from_zero, rel_tol=1e-3) else
+                    "the idle time is the span (first kernel start to last kernel end) minus the time some "
+                    "kernel runs, as a fraction of the span")
+            return report.fail(f"idle_share({label}) = {got:.4f}, expected {want:.4f}: {hint}")
+        report.ok(f"idle_share({label}) = {want:.1%}")
+
+
+def as_float(report, what, value):
+    from . import as_number
+
+    return as_number(report, what, value)
+
+
+# ---- 08.5 the fused LayerNorm backward, and its speed ---------------------------------------------
+
+
+@exercise("08.5", "fused LayerNorm backward: dX, partial dW and dB, and its speed",
+          names=("layer_norm_backward_kernel",), time_limit_s=300)
+def grade_fused_backward(report: Report, layer_norm_backward_kernel):
+    import torch
+
+    from .. import transformer as T
+
+    if (msg := not_a_kernel(layer_norm_backward_kernel, "layer_norm_backward_kernel")):
+        return report.fail(msg)
+    dev = world().device
+    for rows, cols, programs, with_dres in sizes([(7, 37, 3, False), (10, 64, 4, True), (5, 200, 5, True)],
+                                                 [(8192, 768, None, True), (1000, 3000, None, False)]):
+        rng = np.random.default_rng(rows * cols + programs if programs else rows)
+        h = torch.from_numpy(rand(rng, (rows, cols)) + rng.uniform(-1, 1, (rows, 1))).to(dev, torch.float32)
+        w = torch.from_numpy(rng.uniform(0.5, 1.5, cols)).to(dev, torch.float32)
+        dy = torch.from_numpy(rand(rng, (rows, cols))).to(dev, torch.float32)
+        dres = torch.from_numpy(rand(rng, (rows, cols))).to(dev, torch.float32) if with_dres else None
+        what = f"{rows} x {cols}" + (f", {programs} programs" if programs else "") + (", with dres" if with_dres else "")
+        try:
+            dx, dw, db = T.layer_norm_backward(h, w, dy, EPS, dres=dres, programs=programs, kernel=layer_norm_backward_kernel)
+            if world().gpu:
+                torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            from . import explain
+
+            return report.fail(f"{what}: {explain(exc)}")
+        h64, w64, dy64 = exact(h), exact(w), exact(dy)
+        xhat, _, _ = ln_parts64(h64, w64, dy64)
+        truths = {"dx": ln_dx64(h64, w64, dy64) + (exact(dres) if with_dres else 0.0),
+                  "dw": (dy64 * xhat).sum(0), "db": dy64.sum(0)}
+        refs = dict(zip(("dx", "dw", "db"), (t.cpu().double().numpy() for t in T.layer_norm_backward_ref(h, w, dy, EPS))))
+        if with_dres:
+            refs["dx"] = refs["dx"] + exact(dres)
+        for key, got in (("dx", dx), ("dw", dw), ("db", db)):
+            g = host(got)
+            ok, line = compare(g, truths[key], refs[key], what=f"{key}, {what}",
+                               rtol_floor=8 * float(np.finfo(np.float32).eps) * (1 if key == "dx" else rows))
+            if not ok and key == "dx" and with_dres and compare(g, truths[key] - exact(dres), refs[key] - exact(dres),
+                                                                what="", rtol_floor=1e-5)[0]:
+                line += ": add dres (the gradient flowing past the LayerNorm) to dX when HAS_DRES"
+            if not ok and np.abs(g).max() > 1e6 * max(np.abs(truths[key]).max(), 1.0):
+                line += ": values this large were never computed: did the kernel store dx and the partial sums?"
+            if not ok and key != "dx" and programs:
+                per_row = dy64 * xhat if key == "dw" else dy64
+                rpp = -(-rows // programs)
+                last_rows = [r for r in range(rpp - 1, -(-rows // rpp) * rpp, rpp) if r < rows]
+                if np.allclose(g, per_row[last_rows].sum(0), rtol=1e-4, atol=1e-4):
+                    line += ": each program must add up all of its rows (dw += ...), not keep the last one"
+            if not report.expect(ok, line, line):
+                return
+    # speed: the whole backward (this kernel and the column sum) against PyTorch's, in 16-bit, at a large shape
+    n_rows, n_cols = 16384, 2048
+    if not world().gpu:
+        return speed_vs_peer(report, f"LayerNorm backward at {n_rows} x {n_cols} bf16", None, None, "PyTorch", 0.9)
+    h = torch.randn(n_rows, n_cols, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn_like(h)
+    w = torch.rand(n_cols, device=dev) + 0.5
+    mean = h.float().mean(-1, keepdim=True)
+    rstd = torch.rsqrt(h.float().var(-1, unbiased=False, keepdim=True) + EPS)
+    wt = w.to(h.dtype)
+    speed_vs_peer(report, f"LayerNorm backward at {n_rows} x {n_cols} bf16",
+                  lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
+                  lambda: torch.ops.aten.native_layer_norm_backward(dy, h, [n_cols], mean, rstd, wt, wt, [True, True, True]),
+                  "PyTorch's LayerNorm backward", 0.9)

@@ -1,0 +1,314 @@
+"""Chapter 08's graders: typical wrong answers are rejected with a message that teaches, and
+different but correct answers are accepted. Kernels run in Triton's interpreter on the CPU."""
+import pytest
+import triton
+import triton.language as tl
+
+import kernelcourse as kc
+from kernelcourse import transformer as T
+from kernelcourse.grading import ch08
+from tests.helpers import grade
+
+
+class WithMistake:
+    """A kernel launched with its MISTAKE constexpr set: what a learner's kernel with that mistake does."""
+
+    def __init__(self, kernel, mistake):
+        self.kernel, self.fn, self.mistake = kernel, kernel.fn, mistake
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.kernel[grid](*args, MISTAKE=self.mistake, **meta)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("a kernel is launched as kernel[grid](...)")
+
+# ---- 08.1 dX ---------------------------------------------------------------------------------------
+
+
+def make_dx_kernel(mistake=""):
+    @triton.jit
+    def layer_norm_dx_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, n_cols, stride, eps, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / n_cols
+        if MISTAKE == "padding":
+            d = x - mean
+        else:
+            d = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+        xhat = d * rstd
+        g = dy if MISTAKE == "no_w" else dy * w
+        if MISTAKE == "padding":
+            g = tl.where(mask, g, 0.0)
+            xhat = tl.where(mask, xhat, 0.0)
+        c1 = tl.sum(xhat * g, axis=0) / n_cols
+        c2 = tl.sum(g, axis=0) / n_cols
+        if MISTAKE == "no_c2":
+            dx = (g - xhat * c1) * rstd
+        elif MISTAKE == "no_c1":
+            dx = (g - c2) * rstd
+        else:
+            dx = (g - (xhat * c1 + c2)) * rstd
+        tl.store(dx_ptr + row * stride + cols, dx, mask=mask if MISTAKE != "unmasked_store" else None)
+    return WithMistake(layer_norm_dx_kernel, mistake)
+
+
+@triton.jit
+def dx_two_pass(x_ptr, dy_ptr, w_ptr, dx_ptr, n_cols, stride, eps, BLOCK: tl.constexpr):
+    # also right: the variance as E[x²] - mean², and the two sums written out in another order
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + row * stride + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    mean = tl.sum(x, axis=0) / n_cols
+    var = tl.sum(x * x, axis=0) / n_cols - mean * mean
+    rstd = tl.rsqrt(var + eps)
+    g = dy * w
+    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    dx = rstd * g - rstd / n_cols * (tl.sum(g, axis=0) + xhat * tl.sum(g * xhat, axis=0))
+    tl.store(dx_ptr + row * stride + cols, dx, mask=mask)
+
+
+def test_08_1_accepts_correct():
+    for k in (make_dx_kernel(), dx_two_pass):
+        passed, text = grade("08.1", layer_norm_dx_kernel=k)
+        assert passed, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("no_w", "multiply dy by the weight"),
+    ("no_c1", "x̂ * mean(x̂ * g) term is missing"),
+    ("no_c2", "mean(g) term is missing"),
+    ("padding", "is not 0 in the padding"),
+])
+def test_08_1_rejects_mistakes(mistake, hint):
+    passed, text = grade("08.1", layer_norm_dx_kernel=make_dx_kernel(mistake))
+    assert not passed and hint in text, text
+
+
+def test_08_1_rejects_a_plain_function():
+    passed, text = grade("08.1", layer_norm_dx_kernel=lambda *a: None)
+    assert not passed and "@triton.jit" in text, text
+
+
+# ---- 08.2 column sum -------------------------------------------------------------------------------
+
+
+def make_column_sum(mistake=""):
+    @triton.jit
+    def column_sum_kernel(part_ptr, out_ptr, n_parts, n_cols, stride, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                          MISTAKE: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < n_cols
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        if MISTAKE == "one_step":
+            rows = tl.arange(0, BLOCK_P)
+            acc += tl.load(part_ptr + rows[:, None] * stride + cols[None, :],
+                           mask=(rows < n_parts)[:, None] & cmask[None, :], other=0.0)
+        else:
+            for p0 in range(0, n_parts, BLOCK_P):
+                rows = p0 + tl.arange(0, BLOCK_P)
+                m = cmask[None, :] if MISTAKE == "no_row_mask" else (rows < n_parts)[:, None] & cmask[None, :]
+                tile = tl.load(part_ptr + rows[:, None] * stride + cols[None, :], mask=m, other=0.0)
+                if MISTAKE == "overwrite":
+                    acc = tile
+                else:
+                    acc += tile
+        tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cmask)
+    return WithMistake(column_sum_kernel, mistake)
+
+
+@triton.jit
+def column_sum_rowwise(part_ptr, out_ptr, n_parts, n_cols, stride, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # also right: one row at a time into a 1D accumulator (slower, as correct)
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < n_cols
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(0, n_parts):
+        acc += tl.load(part_ptr + i * stride + cols, mask=cmask, other=0.0)
+    tl.store(out_ptr + cols, acc, mask=cmask)
+
+
+def test_08_2_accepts_correct():
+    for k in (make_column_sum(), column_sum_rowwise, T.column_sum_kernel):
+        passed, text = grade("08.2", column_sum_kernel=k)
+        assert passed, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("one_step", "only the first BLOCK_P rows"),
+    # in the interpreter, the address check names the load that reads past the partial sums
+    ("no_row_mask", "mask the loads with rows < n_parts" if kc.world().gpu else
+     "past the end of `part_ptr`, outside every tensor the kernel was given (its mask lets them through)"),
+    ("overwrite", "add to it (acc += ...)"),
+])
+def test_08_2_rejects_mistakes(mistake, hint):
+    passed, text = grade("08.2", column_sum_kernel=make_column_sum(mistake))
+    assert not passed and hint in text, text
+
+
+# ---- 08.3 FLOPs and bytes ----------------------------------------------------------------------------
+
+
+def flops_ok(B, N, d, causal):
+    per_token = 2 * (d * 3 * d + d * d + 2 * d * 4 * d)
+    scores = N * (N + 1) / 2 if False else N * N / 2 if causal else N * N
+    return B * N * per_token + 2 * 2 * B * scores * d
+
+
+def bytes_ok(B, N, d, itemsize):
+    weights = d * 3 * d + d * d + d * 4 * d + 4 * d * d
+    return itemsize * (weights + B * N * d + B * N * d)
+
+
+def test_08_3_accepts_correct():
+    passed, text = grade("08.3", block_flops=flops_ok, block_min_bytes=bytes_ok)
+    assert passed, text
+    passed, text = grade("08.3", block_flops=T.block_flops, block_min_bytes=T.block_min_bytes)
+    assert passed, text
+
+
+@pytest.mark.parametrize("flops, nbytes, hint", [
+    (lambda B, N, d, c: flops_ok(B, N, d, c) / 2, bytes_ok, "each multiply-add is 2 FLOPs"),
+    (lambda B, N, d, c: 24 * B * N * d * d, bytes_ok, "attention's two products"),
+    (lambda B, N, d, c: 24 * B * N * d * d + 4 * B * N * N * d, bytes_ok, "only half the scores"),
+    (flops_ok, lambda B, N, d, s: 12 * d * d * s, "the input is read and the output written once"),
+    (flops_ok, lambda B, N, d, s: 12 * d * d + 2 * B * N * d, "multiply the element count by itemsize"),
+])
+def test_08_3_rejects_mistakes(flops, nbytes, hint):
+    passed, text = grade("08.3", block_flops=flops, block_min_bytes=nbytes)
+    assert not passed and hint in text, text
+
+
+# ---- 08.4 reading a trace ------------------------------------------------------------------------------
+
+
+def dominant_ok(events):
+    totals = {}
+    for e in events:
+        if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset"):
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"]
+    name = max(totals, key=totals.get)
+    return name, totals[name] / sum(totals.values())
+
+
+def idle_ok(events):
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset"))
+    merged = [list(iv[0])]
+    for s, t in iv[1:]:
+        if s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t)
+        else:
+            merged.append([s, t])
+    busy = sum(t - s for s, t in merged)
+    span = merged[-1][1] - merged[0][0]
+    return 1 - busy / span
+
+
+def test_08_4_accepts_correct():
+    passed, text = grade("08.4", dominant_kernel=dominant_ok, idle_share=idle_ok)
+    assert passed, text
+    passed, text = grade("08.4", dominant_kernel=lambda ev: (T.by_kernel(ev)[0]["kernel"], T.by_kernel(ev)[0]["share"]),
+                         idle_share=lambda ev: T.gpu_idle(ev)["idle_share"])
+    assert passed, text
+
+
+def longest_call(events):
+    e = max((e for e in events if e["cat"] == "kernel"), key=lambda e: e["dur"])
+    return e["name"], dominant_ok(events)[1]
+
+
+def idle_naive(events):
+    gpu = [e for e in events if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
+    span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+    return 1 - sum(e["dur"] for e in gpu) / span
+
+
+def all_events(events):
+    totals = {}
+    for e in events:
+        totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"]
+    name = max(totals, key=totals.get)
+    return name, totals[name] / sum(totals.values())
+
+
+@pytest.mark.parametrize("dominant, idle, hint", [
+    (longest_call, idle_ok, "longest single call"),
+    (all_events, idle_ok, "only GPU events"),
+    (dominant_ok, idle_naive, "merge the intervals"),
+    (lambda ev: (dominant_ok(ev)[0], 100 * dominant_ok(ev)[1]), idle_ok, "between 0 and 1"),
+])
+def test_08_4_rejects_mistakes(dominant, idle, hint):
+    passed, text = grade("08.4", dominant_kernel=dominant, idle_share=idle)
+    assert not passed and hint in text, text
+
+
+def test_synthetic_trace_answers():
+    ev = ch08.synthetic_trace()
+    assert T.by_kernel(ev)[0]["kernel"] == "small_add_kernel"
+    g = T.gpu_idle(ev)
+    assert g["busy_us"] == 6 * 20 + 130 and g["span_us"] == 420 - 100
+
+
+# ---- 08.5 fused backward ---------------------------------------------------------------------------------
+
+
+def make_fused(mistake=""):
+    @triton.jit
+    def layer_norm_backward_kernel(h_ptr, dy_ptr, dres_ptr, w_ptr, dx_ptr, part_ptr, n_rows, n_cols, stride, eps,
+                                   ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, HAS_DRES: tl.constexpr,
+                                   MISTAKE: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        db = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(ROWS_PER_PROGRAM):
+            row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
+            m = mask & (row < n_rows)
+            h = tl.load(h_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+            mean = tl.sum(h, axis=0) / n_cols
+            d = tl.where(mask, h - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+            xhat = d * rstd
+            g = dy * w
+            dx = (g - (xhat * tl.sum(xhat * g, axis=0) / n_cols + tl.sum(g, axis=0) / n_cols)) * rstd
+            if HAS_DRES and MISTAKE != "no_dres":
+                dx += tl.load(dres_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * stride + cols, dx, mask=m)
+            if MISTAKE == "last_row":
+                dw = dy * xhat
+                db = dy
+            else:
+                dw += dy * xhat
+                db += dy
+        tl.store(part_ptr + pid * 2 * n_cols + cols, dw, mask=mask)
+        tl.store(part_ptr + pid * 2 * n_cols + n_cols + cols, db, mask=mask)
+    return WithMistake(layer_norm_backward_kernel, mistake)
+
+
+def test_08_5_accepts_correct():
+    for k in (make_fused(), T.layer_norm_backward_kernel):
+        passed, text = grade("08.5", layer_norm_backward_kernel=k)
+        assert passed, text
+        if not kc.world().gpu:
+            assert "speed needs a GPU" in text, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("no_dres", "add dres"),
+    ("last_row", "add up all of its rows"),
+])
+def test_08_5_rejects_mistakes(mistake, hint):
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
+    assert not passed and hint in text, text

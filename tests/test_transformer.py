@@ -1,0 +1,131 @@
+"""Chapter 08's module: the LayerNorm backward against a float64 truth, the course's block against the
+eager one, the GPT, the corpus and the trace helpers. Small sizes: kernels run in the interpreter."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelcourse as kc
+from kernelcourse import bench
+from kernelcourse import transformer as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("rows, cols, programs", [(37, 50, 3), (5, 128, 5), (9, 200, 2), (1, 33, None)])
+def test_layer_norm_backward_matches_float64(rows, cols, programs):
+    torch.manual_seed(rows + cols)
+    dev = kc.world().device
+    h = (torch.randn(rows, cols, dtype=torch.float64) * 2 + torch.randn(rows, 1, dtype=torch.float64)).to(dev)
+    w = (torch.rand(cols, dtype=torch.float64) + 0.5).to(dev)
+    dy, dres = torch.randn_like(h), torch.randn_like(h)
+    dx, dw, db = T.layer_norm_backward(h.float(), w.float(), dy.float(), dres=dres.float(), programs=programs)
+    tx, tw, tb = T.layer_norm_backward_ref(h, w, dy)  # float64: the truth
+    px, pw, pb = T.layer_norm_backward_ref(h.float(), w.float(), dy.float())  # PyTorch at float32
+    for got, truth, peer in ((dx, tx + dres, px + dres.float()), (dw, tw, pw), (db, tb, pb)):
+        err, peer_err = (got.double() - truth).abs().max(), (peer.double() - truth).abs().max()
+        assert err <= 2 * peer_err + 1e-5 * truth.abs().max(), (err, peer_err)
+
+
+def test_residual_layer_norm_gradients_match_pytorch():
+    torch.manual_seed(0)
+    dev = kc.world().device
+    x = torch.randn(3, 5, 40, device=dev, requires_grad=True)
+    r = torch.randn(3, 5, 40, device=dev, requires_grad=True)
+    w = (torch.rand(40, device=dev) + 0.5).requires_grad_(True)
+    b = torch.randn(40, device=dev, requires_grad=True)
+    gy, gh = torch.randn(3, 5, 40, device=dev), torch.randn(3, 5, 40, device=dev)
+    y, h = T.residual_layer_norm(x, r, w, b)
+    torch.autograd.backward((y, h), (gy, gh))
+    got = [t.grad.clone() for t in (x, r, w, b)]
+    for t in (x, r, w, b):
+        t.grad = None
+    h2 = x + r
+    torch.autograd.backward((F.layer_norm(h2, (40,), w, b), h2), (gy, gh))
+    torch.testing.assert_close(y, F.layer_norm(x + r, (40,), w, b), rtol=1e-5, atol=1e-5)
+    for g, t in zip(got, (x, r, w, b)):
+        torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("triton_matmuls", [(), T.MATMULS])
+def test_course_block_matches_eager_block(triton_matmuls):
+    ref, course, h, delta = T.make_pair(2, 24, 32, 2, torch.float32, triton_matmuls=triton_matmuls)
+    grads = (torch.randn_like(h), torch.randn_like(h))
+    results = []
+    for blk in (ref, course):
+        h.grad = delta.grad = None
+        x, m = blk(h, delta)
+        torch.autograd.backward((x, m), grads)
+        results.append([x, m, h.grad, delta.grad] + [p.grad for p in blk.parameters()])
+    names = ["x", "m", "dh", "ddelta"] + [n for n, _ in ref.named_parameters()]
+    # on a GPU, tl.dot rounds float32 inputs to TF32 inside the attention kernels; SDPA does not
+    rtol, atol = (2e-2, 2e-3) if kc.world().gpu else (1e-4, 1e-5)
+    for name, a, b in zip(names, *results):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=name)
+
+
+def test_gpt_trains_the_same_with_either_block():
+    text = T.course_text()[:5000]
+    kw = dict(steps=3, batch=2, seq_len=16, d_model=32, n_heads=2, n_layers=1, text=text)
+    a, b = T.train("torch", **kw), T.train("course", **kw)
+    assert a["losses"][0] == pytest.approx(torch.log(torch.tensor(float(len(T.CharCodec(text))))).item(), rel=0.05)
+    # in float32 on the CPU the two agree to rounding; on a GPU both compute in bf16
+    assert a["losses"] == pytest.approx(b["losses"], rel=2e-2 if kc.world().gpu else 1e-4)
+    assert a["losses"][-1] < a["losses"][0]
+
+
+def test_course_text_is_the_course_prose():
+    text = T.course_text()
+    assert len(text) > 50_000
+    codec = T.CharCodec(text[:2000])
+    assert codec.decode(codec.encode(text[:2000])) == text[:2000]
+    intro = (ROOT / "book" / "intro.md").read_text(encoding="utf-8")
+    assert intro[:200] in T.build_course_text(ROOT)
+
+
+def test_block_counts():
+    assert T.block_flops(1, 1, 1, causal=False) == 24 + 4
+    assert T.block_flops(8, 1024, 768) == 24 * 8 * 1024 * 768**2 + 2 * 8 * 1024**2 * 768
+    assert T.block_train_flops(1, 4, 8, causal=False) == 3 * 24 * 4 * 64 + 3.5 * 4 * 16 * 8
+    assert T.block_min_bytes(2, 3, 4, 2) == (12 * 16 + 2 * 2 * 3 * 4) * 2
+
+
+def test_compact_trace_keeps_what_says_where_time_went(tmp_path):
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 9},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 3},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 20.5, "dur": 7},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 40, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "layer_norm_backward_kernel", "ts": 30, "dur": 4},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 1},
+    ]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    ev = T.compact_trace(path)
+    assert [e["name"] for e in ev] == ["cudaLaunchKernel", "gemm", "layer_norm_backward_kernel", "gemm"]
+    assert ev[0]["ts"] == 0 and ev[1]["ts"] == 10.5
+    rows = T.by_kernel(ev)
+    assert rows[0]["kernel"] == "gemm" and rows[0]["calls"] == 2 and rows[0]["share"] == pytest.approx(12 / 16)
+    assert {r["family"] for r in T.by_family(ev)} == {"matmul", "layer norm"}
+    idle = T.gpu_idle(ev)
+    assert idle["span_us"] == pytest.approx(24.5) and idle["busy_us"] == 16 and idle["launches"] == 1
+
+
+@pytest.mark.parametrize("name", ["08_trace_course", "08_trace_eager"])
+def test_recorded_traces_are_real_and_small(name):
+    path = bench.recorded_path(name)
+    assert path.stat().st_size < 1_000_000
+    ev = bench.load(name).rows
+    assert "H100" in bench.load(name).provenance["gpu"]
+    fams = {r["family"] for r in T.by_family(ev)}
+    assert {"matmul", "attention", "layer norm"} <= fams
+    assert 0 < T.gpu_idle(ev)["idle_share"] < 1
+
+
+@pytest.mark.parametrize("name, family", [("nvjet_sm90_tst_192x128_64x5", "matmul"), ("flash_attention_kernel", "attention"),
+                                          ("attention_bwd_dkdv_kernel", "attention"), ("column_sum_kernel", "layer norm"),
+                                          ("triton_poi_fused_add_0", "elementwise"), ("mystery", "other")])
+def test_kernel_family(name, family):
+    assert T.kernel_family(name) == family
