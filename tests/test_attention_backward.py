@@ -117,14 +117,20 @@ def test_attention_gradients_against_float64(B, H, n_q, n_k, d, causal, ls, dtyp
     assert_close_to(got, truth, tols, f"{(B, H, n_q, n_k, d)} causal={causal} {dtype}")
 
 
+# On a GPU, tl.dot multiplies float32 tiles in TF32 (10-bit mantissa), the interpreter exactly: the
+# float32 tests below allow TF32's error there, and scores of ±30 only in the interpreter.
+TF32 = kc.world().gpu
+
+
 def test_backward_kernels_match_the_tiled_reference_with_other_tiles():
-    q, k, v, do = qkv_do(1, 2, 45, 39, 32, logit_scale=30.0, seed=3)
+    q, k, v, do = qkv_do(1, 2, 45, 39, 32, logit_scale=1.0 if TF32 else 30.0, seed=3)
     o, lse = A.flash_attention(q, k, v, causal=True)
     got = AB.flash_attention_backward(q, k, v, o, lse, do, causal=True, sm_scale=None,
                                       dkdv_config={"BLOCK_M": 32, "BLOCK_N": 16}, dq_config={"BLOCK_M": 16, "BLOCK_N": 32})
     ref = AB.tiled_attention_backward_ref(q, k, v, o, lse, do, causal=True)
+    tol = 2e-2 if TF32 else 1e-4
     for g, r in zip(got, ref):
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g, r, rtol=tol, atol=tol)
 
 
 def test_sm_scale_and_noncontiguous_inputs():
@@ -133,7 +139,8 @@ def test_sm_scale_and_noncontiguous_inputs():
     leaves = [t.clone().requires_grad_() for t in (qt, k, v)]
     A.attention(*leaves, causal=False, sm_scale=0.5).backward(do)
     truth = autograd64(q, k, v, do, sm_scale=0.5)
-    assert_close_to([t.grad for t in leaves], truth, [1e-4 * t.abs().max().item() for t in truth], "sm_scale")
+    rel = 2e-2 if TF32 else 1e-4
+    assert_close_to([t.grad for t in leaves], truth, [rel * t.abs().max().item() for t in truth], "sm_scale")
 
 
 def test_saves_no_n_by_n_tensor():
@@ -157,7 +164,7 @@ def test_saves_no_n_by_n_tensor():
     (lambda q, k, v: (q, k[:, :1], v[:, :1]), "H=2"),
     (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), "head dim d=12"),
     (lambda q, k, v: (q, k[..., :8], v[..., :8]), "d=16"),
-    (lambda q, k, v: (q.numpy(), k, v), "torch.Tensor"),
+    (lambda q, k, v: (q.cpu().numpy(), k, v), "torch.Tensor"),
     (lambda q, k, v: (q[:, :, :0], k, v), "empty"),
 ])
 def test_bad_input_raises_value_error(make, words):

@@ -69,7 +69,7 @@ def matrix_add_slow(A, B, C):  # the naive version: correct, uncoalesced
     _add_cols_slow[grid, (32, 8)](A, B, C)
 
 
-def matrix_add_flat(A, B, C):
+def matrix_add_flat(A, B, C):  # correct and coalesced, but 4 blocks of 128 threads cannot keep a GPU's memory busy
     _add_flat_stride[4, 128](A, B, C)
 
 
@@ -86,8 +86,10 @@ def matrix_add_no_bounds(A, B, C):
 @pytest.mark.parametrize("fn", [matrix_add_fast, matrix_add_flat, matrix_add_slow])
 def test_01_6_correct_versions_pass_the_correctness_checks(fn):
     passed, text = grade("01.6", matrix_add=fn)
-    if GPU and fn is matrix_add_slow:
-        return  # on a GPU the slow one fails on speed: see below
+    if GPU and fn is not matrix_add_fast:
+        # on a GPU the slow ones fail on speed only (see below for the uncoalesced one)
+        assert not passed and all(line.startswith("✔") for line in text.splitlines() if "copy" not in line), text
+        return
     assert passed, text
 
 

@@ -134,6 +134,12 @@ def _import_numba_cuda_with_row_stack() -> None:
     numpy.row_stack = row_stack
     try:
         import numba.cuda.np.arrayobj  # noqa: F401
+    except ModuleNotFoundError as exc:
+        # numba-cuda is installed but not in use: its .pth redirect of numba.cuda was not read (its
+        # site-packages joined the path as a plain folder), so numba's own CUDA target runs, which
+        # never registers row_stack. Nothing to do.
+        if exc.name is None or not exc.name.startswith("numba.cuda"):
+            raise
     finally:
         del numpy.row_stack
 
