@@ -63,9 +63,10 @@ test-latest:
 	@$(LATEST_VENV)/bin/python -c 'from kernelcourse.world import versions; print("newest releases:", versions())'
 	$(MAKE) test VENV=$(LATEST_VENV)
 
-# CHAPTERS="01 02" checks those chapters only (their notebooks and tests, and the tests of no chapter).
+# CHAPTERS="01 02" checks those chapters only (their notebooks and tests, and the tests of no chapter);
+# PARTS="tests grades" runs only those parts (tests, lessons, solutions, grades).
 gpu-check:
-	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS))
+	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS)) $(addprefix --only ,$(PARTS))
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab

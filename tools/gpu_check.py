@@ -34,6 +34,8 @@ NEEDED = {"torch": "torch", "triton": "triton", "numpy": "numpy", "numba": "numb
           "matplotlib": "matplotlib", "yaml": "pyyaml"}
 # tests/test_exercises.py grades every stub and every solution: here that is part 3, reported per exercise.
 GRADE_TESTS = "not test_generated_stubs_fail_every_grader and not test_solutions_pass_every_grader"
+# The parts, in the order they run: --only picks some (a machine's time may not hold all of them at once).
+PARTS = ("tests", "lessons", "solutions", "grades")
 # Test files that belong to one chapter (besides tests/test_grading_chNN.py), for --chapter.
 CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "06": ["test_attention.py"],
                  "07": ["test_attention_backward.py"]}
@@ -51,6 +53,7 @@ class Part:
     failures: list[str] = field(default_factory=list)
     skips: Counter = field(default_factory=Counter)
     error: str = ""                # the part could not run at all
+    skipped_part: bool = False     # left out on purpose (--only)
 
     @property
     def ok(self) -> bool:
@@ -149,7 +152,7 @@ def render(parts: list[Part], gpu: str, versions: dict, seconds: float) -> str:
     for r in [head, *body]:
         lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     for p in parts:
-        if p.error:
+        if p.error and not p.skipped_part:
             lines.append(f"\n{p.what} could not run: {p.error}")
         if p.failures:
             lines.append(f"\n{p.what}, failed:")
@@ -157,7 +160,9 @@ def render(parts: list[Part], gpu: str, versions: dict, seconds: float) -> str:
         if p.skips:
             lines.append(f"\n{p.what}, skipped here and why:")
             lines += [f"  {n} x {reason}" for reason, n in sorted(p.skips.items())]
-    verdict = "PASS" if all(p.ok for p in parts) else "FAIL"
+    verdict = "PASS" if all(p.ok or p.skipped_part for p in parts) else "FAIL"
+    if any(p.skipped_part for p in parts):
+        lines.append("\nnot run here: " + ", ".join(p.what for p in parts if p.skipped_part))
     lines.append(f"\n{verdict}: {sum(p.ran for p in parts)} checks in {seconds:.0f} s")
     return "\n".join(lines)
 
@@ -168,6 +173,8 @@ def main() -> int:
     ap.add_argument("--chapter", action="append", metavar="NN",
                     help="check chapter NN only (repeatable): its notebooks and tests, and the tests that belong "
                          "to no chapter; runs over chapters that split the course together cover all of it")
+    ap.add_argument("--only", action="append", choices=PARTS, metavar="PART",
+                    help=f"run only this part (repeatable; one of {', '.join(PARTS)}); the others are listed as not run")
     args = ap.parse_args()
     if missing := missing_stack():
         print(f"The course's notebook stack is not installed for {sys.executable}: {', '.join(missing)} missing.\n"
@@ -194,21 +201,28 @@ def main() -> int:
     stubs = [ROOT / "exercises" / p.name for p in solutions]
     parts = [Part("unit tests", "test"), Part("lessons under nbval", "cell"), Part("solutions under nbval", "cell"),
              Part("grade report: solutions pass", "exercise"), Part("grade report: stubs fail", "exercise")]
+    kinds = ["tests", "lessons", "solutions", "grades", "grades"]
     start = time.time()
-    for part, do in zip(parts, [
+    for part, kind, do in zip(parts, kinds, [
         lambda p: run_pytest(p, [*tests, "-k", GRADE_TESTS]),
         lambda p: run_pytest(p, [*nbval, *map(str, lessons)]),
         lambda p: run_pytest(p, [*nbval, *map(str, solutions)]),
         lambda p: run_grade(p, solutions, expect_pass=True),
         lambda p: run_grade(p, stubs, expect_pass=False),
     ]):
+        if args.only and kind not in args.only:
+            part.error = f"not run (--only {' '.join(args.only)})"
+            part.skipped_part = True
+            continue
         print(f"running {part.what}...", flush=True)
         do(part)
         print(f"  {part.passed}/{part.ran} {part.unit}s as expected, {part.failed} not, {part.skipped} skipped, "
               f"{part.seconds:.0f} s{' (' + part.error + ')' if part.error else ''}", flush=True)
     scope = f"chapters {', '.join(sorted(args.chapter))} and the tests of no chapter" if args.chapter else "the whole course"
+    if args.only:
+        scope += f", parts: {', '.join(args.only)}"
     print("\n" + render(parts, f"{gpu}, {scope}", versions, time.time() - start))
-    return 0 if all(p.ok for p in parts) else 1
+    return 0 if all(p.ok or p.skipped_part for p in parts) else 1
 
 
 if __name__ == "__main__":
