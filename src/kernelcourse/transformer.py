@@ -41,7 +41,7 @@ from .world import world
 
 __all__ = ["layer_norm_backward_kernel", "column_sum_kernel", "layer_norm_backward", "layer_norm_backward_ref",
            "ResidualLayerNorm", "residual_layer_norm", "Block", "GPT", "GPTConfig", "course_text", "CharCodec",
-           "block_flops", "block_min_bytes", "compact_trace", "kernel_family", "by_kernel", "by_family", "gpu_idle",
+           "block_flops", "block_min_bytes", "bench_launch_cost", "compact_trace", "kernel_family", "by_kernel", "by_family", "gpu_idle",
            "plot_timeline"]
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -483,6 +483,45 @@ def bench_block(B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, triton_matmuls=(
             row |= {"ms": float("nan"), "tflops": float("nan"), "peak_mib": float("nan"),
                     "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
         rows.append(row)
+    return rows
+
+
+def bench_launch_cost(B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, calls: int = 200) -> list[dict]:
+    """What one call costs the CPU and what it costs the GPU, for the block's pieces at (B, N, d, H): the
+    CPU's microseconds per call (``calls`` calls issued back to back, no waiting for the GPU) against the
+    GPU's (the same call replayed in a CUDA graph, ``triton.testing.do_bench_cudagraph``)."""
+    from triton.testing import do_bench_cudagraph
+
+    from .attention import flash_attention
+
+    dev = world().device
+    x, r = (torch.randn(B * N, d, device=dev, dtype=dtype) for _ in range(2))
+    w, b = torch.rand(d, device=dev) + 0.5, torch.randn(d, device=dev)
+    wt, bt = w.to(dtype), b.to(dtype)
+    q, k, v = (torch.randn(B, H, N, d // H, device=dev, dtype=dtype) for _ in range(3))
+    mean = x.float().mean(-1, keepdim=True)
+    rstd = torch.rsqrt(x.float().var(-1, unbiased=False, keepdim=True) + 1e-5)
+    cases = [
+        ("residual add + LayerNorm", "PyTorch", lambda: F.layer_norm(x + r, (d,), wt, bt)),
+        ("residual add + LayerNorm", "course (Triton)", lambda: kernels.residual_layer_norm(x, r, w, b, return_residual=True)),
+        ("LayerNorm backward", "PyTorch", lambda: torch.ops.aten.native_layer_norm_backward(
+            r, x, [d], mean, rstd, wt, bt, [True, True, True])),
+        ("LayerNorm backward", "course (Triton)", lambda: layer_norm_backward(x, w, r)),
+        ("attention forward", "PyTorch SDPA", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        ("attention forward", "course (Triton)", lambda: flash_attention(q, k, v, causal=True)),
+    ]
+    rows = []
+    for op, impl, fn in cases:
+        for _ in range(5):  # compile, tune, warm the caches
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        cpu_us = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        gpu_us = do_bench_cudagraph(fn) * 1e3
+        rows.append({"op": op, "impl": impl, "cpu_us": cpu_us, "gpu_us": gpu_us})
     return rows
 
 
