@@ -245,6 +245,9 @@ def all_events(events):
     (all_events, idle_ok, "only GPU events"),
     (dominant_ok, idle_naive, "merge the intervals"),
     (lambda ev: (dominant_ok(ev)[0], 100 * dominant_ok(ev)[1]), idle_ok, "between 0 and 1"),
+    (lambda ev: None, idle_ok, "returned None: did you forget `return`?"),
+    (lambda ev: dominant_ok(ev)[0], idle_ok, "return a tuple of 2 values"),
+    (lambda ev: ev[10**6], idle_ok, "IndexError"),
 ])
 def test_08_4_rejects_mistakes(dominant, idle, hint):
     passed, text = grade("08.4", dominant_kernel=dominant, idle_share=idle)

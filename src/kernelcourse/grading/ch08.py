@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, guarded, number, speed_vs_peer
-from .ch04 import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
+from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, number, speed_vs_peer
+from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
                    nothing_written, outside_writes, rand, sizes, tolerance)
 
 EPS = 1e-5
@@ -219,14 +219,10 @@ def grade_trace(report: Report, dominant_kernel, idle_share):
         except FileNotFoundError as exc:
             return report.fail(str(exc))
     for label, events in traces:
-        before = report.failures
-        got = guarded(report, f"dominant_kernel({label})", dominant_kernel, copy.deepcopy(events))
-        if report.failures > before:
-            return
+        got = as_tuple(report, f"dominant_kernel({label})",
+                       call(report, f"dominant_kernel({label})", dominant_kernel, copy.deepcopy(events)), 2)
         if got is None:
-            return report.fail(f"dominant_kernel({label}) returned None: did you forget `return`?")
-        if not (isinstance(got, tuple) and len(got) == 2):
-            return report.fail(f"dominant_kernel({label}) returned {got!r}: return a pair (name, share)")
+            return
         top = T.by_kernel(events)[0]
         gpu = [e for e in events if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
         longest = max(gpu, key=lambda e: e["dur"])
@@ -237,7 +233,7 @@ def grade_trace(report: Report, dominant_kernel, idle_share):
             if name in {e["name"] for e in events if e["cat"] != "kernel"}:
                 hint = "only GPU events (cat 'kernel', 'gpu_memcpy', 'gpu_memset') ran on the GPU"
             return report.fail(f"dominant_kernel({label}): {str(name)[:60]!r}, expected {top['kernel'][:60]!r}: {hint}")
-        share = as_float(report, f"dominant_kernel({label})'s share", share)
+        share = as_number(report, f"dominant_kernel({label})'s share", share)
         if share is None:
             return
         if not math.isclose(share, top["share"], rel_tol=1e-3, abs_tol=1e-4):
@@ -262,12 +258,6 @@ def grade_trace(report: Report, dominant_kernel, idle_share):
                     "kernel runs, as a fraction of the span")
             return report.fail(f"idle_share({label}) = {got:.4f}, expected {want:.4f}: {hint}")
         report.ok(f"idle_share({label}) = {want:.1%}")
-
-
-def as_float(report, what, value):
-    from . import as_number
-
-    return as_number(report, what, value)
 
 
 # ---- 08.5 the fused LayerNorm backward, and its speed ---------------------------------------------
@@ -296,8 +286,6 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
             if world().gpu:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
-            from . import explain
-
             return report.fail(f"{what}: {explain(exc)}")
         h64, w64, dy64 = exact(h), exact(w), exact(dy)
         xhat, _, _ = ln_parts64(h64, w64, dy64)
