@@ -1,6 +1,9 @@
-"""Running a grader from a test: did it pass, and what did it print?"""
+"""Running a grader from a test: did it pass, and what did it print? And the environment of a child
+process that runs the course's commands."""
 import contextlib
 import io
+import os
+from pathlib import Path
 
 import kernelcourse as kc
 
@@ -26,3 +29,9 @@ def memorised(correct, default=1):
         return table[args]
 
     return recording, lambda *args: table.get(args, default)
+
+
+def env_importing(src: Path) -> dict:
+    """This process's environment for a child Python that imports kernelcourse from ``src``: ``src``
+    goes first on PYTHONPATH, whatever the caller's PYTHONPATH already holds stays after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}

@@ -2,7 +2,6 @@
 command line without pytest or nbval."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import nbformat
 
 import kernelcourse as kc
 from kernelcourse.grade import grade, render
+from tests.helpers import env_importing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def test_command_line_grades_without_pytest_or_nbval(tmp_path):
     path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return (n + block - 1) // block")
     code = ("import sys; sys.modules['pytest'] = None; sys.modules['nbval'] = None\n"
             "from kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = env_importing(ROOT / "src")
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
                           timeout=300)
     assert re.search(r"01_vector_add\s+01\.2\s+pass", done.stdout), done.stdout + done.stderr
@@ -89,7 +89,7 @@ def test_command_line_without_nbclient_says_what_to_install(tmp_path):
     path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return 1")
     code = ("import sys; sys.modules['nbclient'] = None\n"
             "from kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = env_importing(ROOT / "src")
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr

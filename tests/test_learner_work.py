@@ -20,6 +20,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tests.helpers import env_importing
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(sys.prefix)  # the environment running the tests: its tools stand in for the copy's .venv
 STUB = 'raise NotImplementedError("replace this line with your answer (about 1 line)")'
@@ -42,7 +44,7 @@ def _copy_repo(dest: Path) -> Path:
 
 
 def _make(repo: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(repo / "src")}
+    env = env_importing(repo / "src")
     done = subprocess.run(["make", "--no-print-directory", "-o", f"{VENV}/.installed", f"VENV={VENV}", *args],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     if ok:
@@ -94,7 +96,7 @@ def test_no_course_command_loses_a_learners_answer(tmp_path):
 
     # make test's checks of the generated notebooks say to move the work, not to regenerate over it
     check = subprocess.run([sys.executable, "tools/exercises.py", "--check"], cwd=repo, capture_output=True,
-                           text=True, env={**os.environ, "PYTHONPATH": str(repo / "src")})
+                           text=True, env=env_importing(repo / "src"))
     assert check.returncode == 1 and "mv exercises/01_vector_add.ipynb mywork/" in check.stdout, check.stdout
     assert edited.read_bytes() == edited_before
 
@@ -105,7 +107,7 @@ def test_no_course_command_loses_a_learners_answer(tmp_path):
 
     # --force regenerates, after moving the edited notebook into mywork/ beside the learner's copy
     forced = subprocess.run([sys.executable, "tools/exercises.py", "--force"], cwd=repo, capture_output=True,
-                            text=True, env={**os.environ, "PYTHONPATH": str(repo / "src")})
+                            text=True, env=env_importing(repo / "src"))
     assert forced.returncode == 0, forced.stdout + forced.stderr
     moved = [p for p in (repo / "mywork").glob("01_vector_add.*.ipynb")]
     assert len(moved) == 1 and moved[0].read_bytes() == edited_before, forced.stdout
