@@ -29,6 +29,16 @@ def test_layer_norm_backward_matches_float64(rows, cols, programs):
         assert err <= 2 * peer_err + 1e-5 * truth.abs().max(), (err, peer_err)
 
 
+def test_torch_layer_norm_backward_is_autograds():
+    """The timing peer computes what autograd through F.layer_norm computes (float32, on the CPU)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(13, 40, generator=g) * 2 + 1
+    w = torch.rand(40, generator=g) + 0.5
+    dy = torch.randn(13, 40, generator=g)
+    for got, want in zip(T.torch_layer_norm_backward(h, w, dy)(), T.layer_norm_backward_ref(h, w, dy)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_residual_layer_norm_gradients_match_pytorch():
     torch.manual_seed(0)
     dev = kc.world().device
