@@ -142,6 +142,37 @@ def test_sm_scale_and_noncontiguous_inputs():
     assert_close_to([t.grad for t in leaves], truth, [F32_TOL * t.abs().max().item() for t in truth], "sm_scale")
 
 
+def test_heads_of_a_fused_projection_are_read_in_place():
+    """q, k, v as a transformer block makes them, views of one (B, N, 3, H, d) projection: the forward's
+    output is laid out as (B, N, H, d), so merging its heads is a view, and the backward reads every
+    input through its strides, with no copy, and gets the float64 truth's gradients."""
+    B, H, N, d = 2, 2, 37, 16
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(B, N, 3, H, d, generator=g).to(kc.world().device).requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    o = A.attention(q, k, v, causal=True)
+    assert o.transpose(1, 2).is_contiguous(), "o is not laid out as (B, N, H, d)"
+    do = torch.randn(B, N, H * d, generator=g).to(qkv.device).view(B, N, H, d).transpose(1, 2)
+    assert AB._rows_readable(q) == (q,) and AB._rows_readable(k, v) == (k, v)
+    assert all(a is b for a, b in zip(AB._rows_readable(o, do), (o, do)))
+    o.backward(do)
+    truth = autograd64(q, k, v, do, causal=True)
+    got = qkv.grad.permute(2, 0, 3, 1, 4).unbind(0)
+    assert_close_to(got, truth, [F32_TOL * t.abs().max().item() for t in truth], "fused projection")
+
+
+def test_inputs_of_different_layouts_are_copied_and_still_right():
+    q, k, v, do = qkv_do(1, 2, 21, 26, 16, seed=8)
+    vt = v.transpose(1, 2).contiguous().transpose(1, 2)      # k and v no longer share strides
+    dot = do.transpose(1, 2).contiguous().transpose(1, 2)    # do's layout is not o's
+    kk, vv = AB._rows_readable(k, vt)
+    assert kk.is_contiguous() and vv.is_contiguous()
+    leaves = [t.clone().requires_grad_() for t in (q, k, vt)]
+    A.attention(*leaves, causal=False).backward(dot)
+    truth = autograd64(q, k, v, do)
+    assert_close_to([t.grad for t in leaves], truth, [F32_TOL * t.abs().max().item() for t in truth], "layouts")
+
+
 def test_saves_no_n_by_n_tensor():
     q, k, v, do = qkv_do(1, 1, 48, 40, 16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -590,6 +590,16 @@ def _descriptor_ready(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _empty_in_layout_of(q: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, N, d) tensor laid out in memory as ``q``: if q's heads sit side by side within
+    each row, (B, N, H, d) in memory, as a fused QKV projection leaves them, the output does too, so that
+    merging the heads back into rows of the residual stream is a view instead of a copy."""
+    B, H, n, d = q.shape
+    if H > 1 and n > 1 and q.stride(1) < q.stride(2):
+        return torch.empty((B, n, H, d), device=q.device, dtype=q.dtype).transpose(1, 2)
+    return torch.empty((B, H, n, d), device=q.device, dtype=q.dtype)
+
+
 def default_version(capability: tuple[int, int] | None) -> int:
     """The version ``flash_attention`` runs on a GPU of this compute capability (None: the interpreter).
 
@@ -629,17 +639,18 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
     check_dtype(q.dtype, capability)
     version = default_version(capability) if version is None else version
     assert version in _KERNELS, f"version {version}: chapter 06's versions are {sorted(_KERNELS)}"
-    o = torch.empty((B, H, n_q, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
     scale = _scale(q, sm_scale)
     if version in _DESCRIPTORS:
         q, k, v = (_descriptor_ready(t) for t in (q, k, v))
+        o = _empty_in_layout_of(q)
         # block shapes are placeholders until _set_block_shapes gives each descriptor its config's tile
         tensors = {name: TensorDescriptor.from_tensor(t, [1, 1, 16, d])
                    for name, t in (("q_desc", q), ("k_desc", k), ("v_desc", v), ("o_desc", o))}
         args = (*tensors.values(), lse, scale * LOG2E, H, n_q, n_k)
     else:
         q, k, v = (t.contiguous() for t in (q, k, v))  # (B·H, N, d) rows, as the pointer kernels index them
+        o = torch.empty_like(q)
         args = (q, k, v, o, lse, scale if version == 1 else scale * LOG2E, n_q, n_k)
     if config is None and world().gpu:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731

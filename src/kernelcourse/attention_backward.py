@@ -117,22 +117,30 @@ def tiled_attention_backward_ref(q, k, v, o, lse, do, causal: bool = False, sm_s
 
 
 @triton.jit
-def attention_bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, N_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def head_start(ptr, off_hz, H, stride_b, stride_h):
+    """Where head ``off_hz`` (= b·H + h) of a (B, H, N, d) tensor with these strides begins."""
+    return ptr + (off_hz // H) * stride_b + (off_hz % H) * stride_h
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, H, N_Q, stride_ob, stride_oh, stride_on,
+                                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """D = rowsum(dO ∘ O) for BLOCK_M rows of one head: (B·H, N_Q) float32. One program per
-    (query tile, batch·head); o and do are contiguous (B, H, N_Q, HEAD_DIM)."""
+    (query tile, batch·head); o and do are (B, H, N_Q, HEAD_DIM) with the same strides (stride_o*)."""
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < N_Q
-    ptrs = off_hz * N_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    o = tl.load(o_ptr + ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + off_hz * N_Q + offs_m, tl.sum(o * do, 1), mask=rows)
+    ptrs = offs_m[:, None] * stride_on + offs_d[None, :]
+    o = tl.load(head_start(o_ptr, off_hz, H, stride_ob, stride_oh) + ptrs, mask=rows[:, None], other=0.0)
+    do = tl.load(head_start(do_ptr, off_hz, H, stride_ob, stride_oh) + ptrs, mask=rows[:, None], other=0.0)
+    tl.store(delta_ptr + off_hz * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows)
 
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, lo, hi, N_Q,
+                stride_qn, stride_don,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """Fold the query tiles lo, lo + BLOCK_M, ... < hi into this key tile's dk and dv (fp32).
 
@@ -144,16 +152,17 @@ def _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, o
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        ptrs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        q_ptrs = q_head + offs_m[:, None] * stride_qn + offs_d[None, :]
+        do_ptrs = do_head + offs_m[:, None] * stride_don + offs_d[None, :]
         if MASKED:
             rows = offs_m < N_Q
-            q = tl.load(q_head + ptrs, mask=rows[:, None], other=0.0)                 # (BLOCK_M, HEAD_DIM)
-            do = tl.load(do_head + ptrs, mask=rows[:, None], other=0.0)
+            q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)                        # (BLOCK_M, HEAD_DIM)
+            do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
             lse2 = tl.load(lse_head + offs_m, mask=rows, other=0.0) * 1.4426950408889634  # base 2
             delta = tl.load(delta_head + offs_m, mask=rows, other=0.0)
         else:
-            q = tl.load(q_head + ptrs)
-            do = tl.load(do_head + ptrs)
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
             lse2 = tl.load(lse_head + offs_m) * 1.4426950408889634
             delta = tl.load(delta_head + offs_m)
         # pᵀ = exp(s - lse), recomputed: (BLOCK_N, BLOCK_M)
@@ -173,6 +182,8 @@ def _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, o
 # H, N_Q and N_K vary from call to call; nothing in the unmasked loop depends on their values.
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
 def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sm_scale, H, N_Q, N_K,
+                              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                              stride_dob, stride_doh, stride_don,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               CAUSAL: tl.constexpr):
     # program (key tile, batch·head): it owns BLOCK_N rows of dK and dV and writes each once
@@ -180,12 +191,12 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
     off_hz = tl.program_id(1).to(tl.int64)
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # this tile's keys
     offs_d = tl.arange(0, HEAD_DIM)
-    kv = off_hz * N_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    kv = offs_n[:, None] * stride_kn + offs_d[None, :]                          # k and v share strides
     keys = offs_n[:, None] < N_K
-    k = tl.load(k_ptr + kv, mask=keys, other=0.0)                               # (BLOCK_N, HEAD_DIM)
-    v = tl.load(v_ptr + kv, mask=keys, other=0.0)
-    q_head = q_ptr + off_hz * N_Q * HEAD_DIM
-    do_head = do_ptr + off_hz * N_Q * HEAD_DIM
+    k = tl.load(head_start(k_ptr, off_hz, H, stride_kb, stride_kh) + kv, mask=keys, other=0.0)  # (BLOCK_N, HEAD_DIM)
+    v = tl.load(head_start(v_ptr, off_hz, H, stride_kb, stride_kh) + kv, mask=keys, other=0.0)
+    q_head = head_start(q_ptr, off_hz, H, stride_qb, stride_qh)
+    do_head = head_start(do_ptr, off_hz, H, stride_dob, stride_doh)
     lse_head = lse_ptr + off_hz * N_Q
     delta_head = delta_ptr + off_hz * N_Q
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -204,24 +215,25 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
         m_full = 0
     m_tail = tl.maximum(m_full, m_whole)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, lo, m_full, N_Q,
-                         BLOCK_M, HEAD_DIM, True, CAUSAL)
+                         stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_full, m_whole, N_Q,
-                         BLOCK_M, HEAD_DIM, False, CAUSAL)
+                         stride_qn, stride_don, BLOCK_M, HEAD_DIM, False, CAUSAL)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_tail, N_Q, N_Q,
-                         BLOCK_M, HEAD_DIM, True, CAUSAL)
-    tl.store(dk_ptr + kv, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=keys)
-    tl.store(dv_ptr + kv, dv.to(dv_ptr.dtype.element_ty), mask=keys)
+                         stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
+    out = off_hz * N_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # dk, dv: contiguous
+    tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=keys)
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=keys)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, lo, hi, N_K,
+def _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, lo, hi, N_K, stride_kn,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """Fold the key tiles lo, lo + BLOCK_N, ... < hi into this query tile's dq (fp32)."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        ptrs = offs_n[:, None] * stride_kn + offs_d[None, :]
         if MASKED:
             keys = offs_n < N_K
             k = tl.load(k_head + ptrs, mask=keys[:, None], other=0.0)                 # (BLOCK_N, HEAD_DIM)
@@ -243,6 +255,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, lo, hi, 
 
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
 def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sm_scale, H, N_Q, N_K,
+                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                            stride_dob, stride_doh, stride_don,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             CAUSAL: tl.constexpr):
     # program (query tile, batch·head), as in the forward; causal tiles near the end have the most keys
@@ -253,13 +267,14 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < N_Q
-    qo = off_hz * N_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(q_ptr + qo, mask=rows[:, None], other=0.0)                       # (BLOCK_M, HEAD_DIM)
-    do = tl.load(do_ptr + qo, mask=rows[:, None], other=0.0)
+    q = tl.load(head_start(q_ptr, off_hz, H, stride_qb, stride_qh) + offs_m[:, None] * stride_qn + offs_d[None, :],
+                mask=rows[:, None], other=0.0)                                  # (BLOCK_M, HEAD_DIM)
+    do = tl.load(head_start(do_ptr, off_hz, H, stride_dob, stride_doh) + offs_m[:, None] * stride_don + offs_d[None, :],
+                 mask=rows[:, None], other=0.0)
     lse2 = tl.load(lse_ptr + off_hz * N_Q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + off_hz * N_Q + offs_m, mask=rows, other=0.0)
-    k_head = k_ptr + off_hz * N_K * HEAD_DIM
-    v_head = v_ptr + off_hz * N_K * HEAD_DIM
+    k_head = head_start(k_ptr, off_hz, H, stride_kb, stride_kh)
+    v_head = head_start(v_ptr, off_hz, H, stride_kb, stride_kh)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
 
@@ -272,11 +287,12 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
     else:
         n_end = N_K
         n_full = n_whole
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, 0, n_full, N_K,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, 0, n_full, N_K, stride_kn,
                    BLOCK_N, HEAD_DIM, False, CAUSAL)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, n_full, n_end, N_K,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, n_full, n_end, N_K, stride_kn,
                    BLOCK_N, HEAD_DIM, True, CAUSAL)
-    tl.store(dq_ptr + qo, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])
+    out = off_hz * N_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]   # dq: contiguous
+    tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])
 
 
 # ---- configs and launcher ------------------------------------------------------------------------
@@ -369,6 +385,19 @@ def tuned_configs() -> dict[str, str]:
     return out
 
 
+def _rows_readable(*tensors):
+    """The tensors as the kernels read them: (B, H, N, d) with rows of d contiguous elements, all of one
+    stride pattern (k and v are read with one set of strides, o and do with another). Views such as
+    heads split off a fused QKV projection are read in place; anything else gets contiguous copies."""
+    if all(t.stride(-1) == 1 for t in tensors) and len({t.stride() for t in tensors}) == 1:
+        return tensors
+    return tuple(t.contiguous() for t in tensors)
+
+
+def _strides(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
 def flash_attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: float | None = None,
                              dkdv_config: dict | None = None, dq_config: dict | None = None):
     """FlashAttention backward: ``(dq, dk, dv)`` from the inputs, the forward's ``o`` and ``lse``, and ``do``.
@@ -376,34 +405,37 @@ def flash_attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale
     Three launches: ``D = rowsum(dO ∘ O)``; one program per (key tile, batch·head) that loops over the
     query tiles and writes ``dK`` and ``dV``; one per (query tile, batch·head) that loops over the key
     tiles and writes ``dQ``. Every output element is written once, by one program: no atomics, and the
-    result is the same from run to run. On a GPU the tiles are autotuned per (N_Q, N_K, d, causal,
-    dtype) unless a config is given; in the interpreter they are 16 × 16.
+    result is the same from run to run. The inputs are read through their strides (heads that are views
+    of a fused projection are not copied); the gradients come out contiguous. On a GPU the tiles are
+    autotuned per (N_Q, N_K, d, causal, dtype) unless a config is given; in the interpreter they are 16 × 16.
     """
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
-    q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    (q,), (k, v), (o, do) = _rows_readable(q), _rows_readable(k, v), _rows_readable(o, do)
     lse = lse.float().contiguous()
     scale = _scale(q, sm_scale)
     gpu = world().gpu
     delta = torch.empty_like(lse)
     block = (64 if d <= 128 else 32) if gpu else 16
-    attention_bwd_preprocess_kernel[(triton.cdiv(n_q, block), B * H)](o, do, delta, n_q, HEAD_DIM=d, BLOCK_M=block)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    attention_bwd_preprocess_kernel[(triton.cdiv(n_q, block), B * H)](o, do, delta, H, n_q, *_strides(o),
+                                                                       HEAD_DIM=d, BLOCK_M=block)
+    dq, dk, dv = (torch.empty((B, H, n, d), device=q.device, dtype=q.dtype) for n in (n_q, n_k, n_k))
     args = (q, k, v, do, lse, delta)
+    strides = (*_strides(q), *_strides(k), *_strides(do))
     if gpu and dkdv_config is None:
         grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * H)  # noqa: E731
-        _tuned_kernel("dkdv")[grid](*args, dk, dv, scale, H, n_q, n_k, HEAD_DIM=d, CAUSAL=causal)
+        _tuned_kernel("dkdv")[grid](*args, dk, dv, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal)
     else:
         cfg = {**INTERPRETER_CONFIG, **(dkdv_config or {})}
         grid = (triton.cdiv(n_k, cfg["BLOCK_N"]), B * H)
-        attention_bwd_dkdv_kernel[grid](*args, dk, dv, scale, H, n_q, n_k, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        attention_bwd_dkdv_kernel[grid](*args, dk, dv, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal, **cfg)
     if gpu and dq_config is None:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _tuned_kernel("dq")[grid](*args, dq, scale, H, n_q, n_k, HEAD_DIM=d, CAUSAL=causal)
+        _tuned_kernel("dq")[grid](*args, dq, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal)
     else:
         cfg = {**INTERPRETER_CONFIG, **(dq_config or {})}
         grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
-        attention_bwd_dq_kernel[grid](*args, dq, scale, H, n_q, n_k, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        attention_bwd_dq_kernel[grid](*args, dq, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal, **cfg)
     return dq, dk, dv
 
 
