@@ -129,6 +129,25 @@ def test_gbps():
     assert bench.gbps(3e9, 1000.0) == pytest.approx(3.0)
 
 
+def test_gpu_time_replays_the_calls_it_times():
+    """gpu_time runs fn once, once more on its capture stream, and ``reps`` times in the graph that each
+    of ``trials`` replays runs again: the GPU work happens, not only the Python calls."""
+    if not kc.world().gpu:
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            bench.gpu_time(lambda: None)
+        return
+    import torch
+
+    y = torch.randint(-1000, 1000, (1 << 16,), device="cuda")
+    y0, calls = y.clone(), []
+    ms = bench.gpu_time(lambda: (calls.append(1), y.add_(1)), reps=3, trials=2)
+    torch.cuda.synchronize()
+    assert len(calls) == 2 + 3 and ms >= 0.0
+    assert torch.equal(y, y0 + 2 + 3 * 2)
+    three = bench.gpu_time_for_autotune(lambda: y.add_(1), quantiles=(0.5, 0.2, 0.8))
+    assert len(three) == 3 and len(set(three)) == 1 and three[0] >= 0.0  # the autotuner reads three quantiles
+
+
 def test_compare_finds_unwritten_nan_and_errors():
     truth = np.arange(1, 6, dtype=np.float64)
     ok, line = grading.compare(truth.astype(np.float32), truth, what="t")

@@ -31,6 +31,58 @@ def do_bench(fn, *, warmup: int = 25, rep: int = 100) -> float:
     return float(_do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def gpu_time(fn, *, reps: int = 20, trials: int = 5) -> float:
+    """Milliseconds that ``fn``'s kernels take on the GPU alone: no CPU work (Python, launches) between them.
+
+    ``do_bench`` times a call as a program makes it; when a kernel runs for less time than Python takes to
+    launch it, that time is the launch's. Here ``fn`` runs ``reps`` times inside a CUDA graph, each run
+    after an L2 flush (as in ``do_bench``), and a graph of the flushes alone is timed and subtracted:
+    the median over ``trials`` replays. ``fn`` runs once first, outside the graph, to compile and tune.
+    """
+    if not world().gpu:
+        raise RuntimeError("timing needs a CUDA GPU; on the CPU, notebooks show recorded results instead")
+    import statistics
+
+    import torch
+
+    fn()
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")  # larger than any GPU's L2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graphs = []
+    with torch.cuda.stream(side):
+        fn()  # capture wants a warm-up on the capturing stream
+        for with_fn in (True, False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                for _ in range(reps):
+                    flush.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(graph)
+    torch.cuda.current_stream().wait_stream(side)
+
+    def replay_ms(graph):
+        times = []
+        for _ in range(trials):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    return max(replay_ms(graphs[0]) - replay_ms(graphs[1]), 0.0) / reps
+
+
+def gpu_time_for_autotune(fn, quantiles=None):
+    """``gpu_time`` in the form ``triton.autotune(do_bench=...)`` calls: it ranks configs by what they cost
+    the GPU, where a short kernel's ``do_bench`` time would mostly be its launch (the same for all)."""
+    ms = gpu_time(fn, reps=10, trials=3)
+    return [ms] * len(quantiles) if quantiles else ms
+
+
 def gbps(nbytes: float, ms: float) -> float:
     """Effective bandwidth in GB/s (10^9 bytes per second) of moving ``nbytes`` in ``ms`` milliseconds."""
     return nbytes / (ms * 1e-3) / 1e9

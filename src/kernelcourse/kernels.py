@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bench import gpu_time_for_autotune
 from .world import world
 
 __all__ = ["add", "softmax", "residual_layer_norm", "matmul", "grouped_tile", "softmax_num_warps",
@@ -83,7 +84,9 @@ def softmax_rows_kernel(x_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y,
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-SHORT_ROW = 1024           # rows up to this many elements (padded) go several to a program
+# Rows up to SHORT_ROW elements (padded) go several to a program. From 1024 elements on, one row per
+# program was as fast on an H100, its GPU time measured without launches (lesson 04, section 4b).
+SHORT_ROW = 512
 ROWS_TIMES_BLOCK_MAX = 4096  # at most this many elements per program
 
 
@@ -115,7 +118,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
     Long rows go one to a program (``softmax_kernel``); rows of up to ``SHORT_ROW`` elements go
     several to a program (``softmax_rows_kernel``). On a GPU the autotuner picks the warps (and the
-    rows per program) for each row length and dtype.
+    rows per program) for each row length and dtype, ranking them by GPU time (``kc.bench.gpu_time``):
+    at these sizes a call's wall time is mostly its launch, the same for every candidate.
     """
     global _softmax_tuned, _softmax_rows_tuned
     assert x.ndim == 2 and x.stride(1) == 1
@@ -128,7 +132,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
             if _softmax_rows_tuned is None:
                 _softmax_rows_tuned = triton.autotune(
                     _ROWS_WARPS, key=["BLOCK"],
-                    prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)})(softmax_rows_kernel)
+                    prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)},
+                    do_bench=gpu_time_for_autotune)(softmax_rows_kernel)
             _softmax_rows_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, BLOCK=BLOCK)
         else:
             ROWS = rows_per_program(BLOCK)
@@ -139,8 +144,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     if world().gpu:
         if _softmax_tuned is None:
             _softmax_tuned = triton.autotune(_ROW_WARPS, key=["BLOCK"],
-                                             prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)}
-                                             )(softmax_kernel)
+                                             prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)},
+                                             do_bench=gpu_time_for_autotune)(softmax_kernel)
         _softmax_tuned[(n_rows,)](*args, BLOCK=BLOCK)
     else:
         softmax_kernel[(n_rows,)](*args, BLOCK=BLOCK, num_warps=softmax_num_warps(BLOCK))
@@ -187,8 +192,8 @@ def residual_layer_norm(x, r, weight, bias, eps: float = 1e-5, activation: str =
     if world().gpu:
         if _layer_norm_tuned is None:
             _layer_norm_tuned = triton.autotune(_ROW_WARPS, key=["BLOCK", "ACTIVATION", "STORE_H"],
-                                                prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 32)}
-                                                )(residual_layer_norm_kernel)
+                                                prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 32)},
+                                                do_bench=gpu_time_for_autotune)(residual_layer_norm_kernel)
         _layer_norm_tuned[(n_rows,)](*args, **meta)
     else:
         residual_layer_norm_kernel[(n_rows,)](*args, **meta, num_warps=softmax_num_warps(BLOCK))
