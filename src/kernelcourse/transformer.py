@@ -534,8 +534,9 @@ def bench_launch_cost(B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, calls: int
 
 
 def bench_layer_norm_backward(shapes=((8192, 768), (8192, 1024), (16384, 2048)), dtype=torch.bfloat16) -> list[dict]:
-    """LayerNorm backward (dx, dw, db) with this chapter's kernels and with PyTorch's, GB/s at least moved."""
-    from .bench import do_bench, gbps
+    """LayerNorm backward (dx, dw, db) with this chapter's kernels and with PyTorch's: ``ms`` per call from
+    Python (``do_bench``), ``gpu_ms`` of the kernels alone (``gpu_time``), GB/s at least moved in that time."""
+    from .bench import do_bench, gbps, gpu_time
 
     rows, dev = [], world().device
     for n_rows, n_cols in shapes:
@@ -548,8 +549,9 @@ def bench_layer_norm_backward(shapes=((8192, 768), (8192, 1024), (16384, 2048)),
         }
         nbytes = 3 * h.numel() * h.element_size()  # read h and dy, write dx
         for name, fn in peers.items():
-            ms = do_bench(fn)
-            rows.append({"rows": n_rows, "cols": n_cols, "impl": name, "ms": ms, "gbps": gbps(nbytes, ms)})
+            ms, gpu_ms = do_bench(fn), gpu_time(fn)
+            rows.append({"rows": n_rows, "cols": n_cols, "impl": name, "ms": ms, "gpu_ms": gpu_ms,
+                         "gbps": gbps(nbytes, gpu_ms)})
     return rows
 
 
