@@ -125,6 +125,16 @@ def test_missing_recording_says_how_to_make_it(tmp_path, monkeypatch):
         bench.load("nothing")
 
 
+def test_a_lesson_records_only_its_own_chapter(monkeypatch):
+    monkeypatch.delenv("KC_RECORD", raising=False)
+    assert not bench.records("04_short_rows")
+    monkeypatch.setenv("KC_RECORD", "1")
+    monkeypatch.delenv("KC_RECORD_CHAPTER", raising=False)
+    assert bench.records("04_short_rows") and bench.records("02_ceilings")  # recording by hand: everything
+    monkeypatch.setenv("KC_RECORD_CHAPTER", "04")                           # tools/stamp.py --record lesson 04
+    assert bench.records("04_short_rows") and not bench.records("02_ceilings")
+
+
 def test_gbps():
     assert bench.gbps(3e9, 1000.0) == pytest.approx(3.0)
 

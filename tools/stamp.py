@@ -99,6 +99,7 @@ def execute(path: Path, record: bool, timeout: int) -> None:
     if record:
         os.environ["KC_RECORD"] = "1"
         os.environ["KC_RECORD_COMMAND"] = f"python tools/stamp.py --record {rel}"
+        os.environ["KC_RECORD_CHAPTER"] = path.name.split("_")[0]  # "04": this lesson's results only
     start = time.time()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()

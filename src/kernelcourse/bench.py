@@ -142,11 +142,21 @@ def save(results: Results) -> Path:
     return path
 
 
+def records(name: str) -> bool:
+    """Whether this run saves the results called ``name``: ``KC_RECORD=1``, and, when ``tools/stamp.py``
+    records a lesson (it sets ``KC_RECORD_CHAPTER``), only that chapter's results (``NN_...``): lesson 04
+    also measures chapter 02's ceilings, and those are recorded by lesson 02's run."""
+    if os.environ.get("KC_RECORD") != "1":
+        return False
+    chapter = os.environ.get("KC_RECORD_CHAPTER")
+    return not chapter or name.startswith(f"{chapter}_")
+
+
 def measured_or_recorded(name: str, measure) -> Results:
     """Measure now on a GPU (``measure()`` returns a list of dict rows), or load the recorded rows."""
     if world().gpu:
         results = Results(name, measure(), provenance(), recorded=False)
-        if os.environ.get("KC_RECORD") == "1":
+        if records(name):
             save(results)
     else:
         results = load(name)
