@@ -71,14 +71,18 @@ def _small_notebook(path: Path, answer: str) -> Path:
     return path
 
 
+def _grade_without(path: Path, modules, timeout: int) -> subprocess.CompletedProcess:
+    """The grading command (``kernelcourse.grade.main``) on ``path``, in a child Python that cannot import ``modules``."""
+    hide = "".join(f"sys.modules[{m!r}] = None; " for m in modules)
+    code = f"import sys; {hide}\nfrom kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          env=env_importing(ROOT / "src"), timeout=timeout)
+
+
 def test_command_line_grades_without_pytest_or_nbval(tmp_path):
     """The CLI runs notebooks through nbclient: with pytest and nbval made unimportable, it still grades."""
     path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return (n + block - 1) // block")
-    code = ("import sys; sys.modules['pytest'] = None; sys.modules['nbval'] = None\n"
-            "from kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))")
-    env = env_importing(ROOT / "src")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = _grade_without(path, ("pytest", "nbval"), timeout=300)
     assert re.search(r"01_vector_add\s+01\.2\s+pass", done.stdout), done.stdout + done.stderr
     # the other exercises have no grader cell here, so the run fails, and says why
     assert done.returncode == 1 and "no grader cell" in done.stdout
@@ -87,11 +91,7 @@ def test_command_line_grades_without_pytest_or_nbval(tmp_path):
 
 def test_command_line_without_nbclient_says_what_to_install(tmp_path):
     path = _small_notebook(tmp_path / "01_vector_add.ipynb", "return 1")
-    code = ("import sys; sys.modules['nbclient'] = None\n"
-            "from kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))")
-    env = env_importing(ROOT / "src")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = _grade_without(path, ("nbclient",), timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().count("\n") == 0 and "pip install nbclient ipykernel" in done.stderr, done.stderr
 
