@@ -72,7 +72,8 @@ def _small_notebook(path: Path, answer: str) -> Path:
 
 
 def _grade_without(path: Path, modules, timeout: int) -> subprocess.CompletedProcess:
-    """The grading command (``kernelcourse.grade.main``) on ``path``, in a child Python that cannot import ``modules``."""
+    """The grading command (``kernelcourse.grade.main``) on ``path``, in a child Python that cannot
+    import ``modules``."""
     hide = "".join(f"sys.modules[{m!r}] = None; " for m in modules)
     code = f"import sys; {hide}\nfrom kernelcourse.grade import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
