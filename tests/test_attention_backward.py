@@ -133,6 +133,29 @@ def test_backward_kernels_match_the_tiled_reference_with_other_tiles():
         torch.testing.assert_close(g, r, rtol=F32_TOL, atol=F32_TOL)
 
 
+T4 = {"max_shared_mem": 65536}          # what Triton reports for a T4: 64 KB of shared memory per block
+H100 = {"max_shared_mem": 232448}      # and for an H100: 227 KB
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("resident, configs", [("kv", AB.DKDV_CONFIGS), ("q", AB.DQ_CONFIGS)], ids=["dkdv", "dq"])
+def test_pruned_backward_candidates_fit_a_t4(monkeypatch, d, resident, configs):
+    monkeypatch.setattr(AB, "_device_properties", lambda: T4)
+    for n in (40, 1000, 8192):
+        kept = AB._pruner(resident)(configs, {"N_Q": n, "N_K": n, "HEAD_DIM": d})
+        assert kept, f"no {resident} candidate for d = {d}"
+        for c in kept:
+            assert AB._smem_bytes(c, d, resident) <= T4["max_shared_mem"], f"{AB._key(c)} does not fit a T4"
+
+
+@pytest.mark.parametrize("resident, configs", [("kv", AB.DKDV_CONFIGS), ("q", AB.DQ_CONFIGS)], ids=["dkdv", "dq"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_pruning_on_a_large_gpu_keeps_the_chosen_tiles(monkeypatch, resident, configs, d):
+    monkeypatch.setattr(AB, "_device_properties", lambda: H100)
+    kept = {AB._key(c) for c in AB._pruner(resident)(configs, {"N_Q": 4096, "N_K": 4096, "HEAD_DIM": d})}
+    assert kept == AB._TRIED[resident][d], "every chosen tile is a candidate and fits an H100"
+
+
 def test_sm_scale_and_noncontiguous_inputs():
     q, k, v, do = qkv_do(1, 2, 30, 30, 16, seed=5)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)          # same values, (B, N, H, d) memory

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _scale, attention_flops, causal_mask, flash_attention
+from .attention import _device_properties, _scale, attention_flops, causal_mask, flash_attention
 from .world import world
 
 __all__ = ["attention_backward_ref", "tiled_attention_backward_ref", "attention_backward_flops",
@@ -303,29 +303,32 @@ def _config(block_m, block_n, warps, stages):
 
 
 # Candidates for the dK/dV kernel: a key tile of BLOCK_N rows stays in registers while query tiles of
-# BLOCK_M rows stream past, so BLOCK_N is the large one. The last ones fit a small GPU's shared memory.
+# BLOCK_M rows stream past. The last ones fit a small GPU's shared memory.
 DKDV_CONFIGS = [
-    _config(32, 128, 4, 3), _config(32, 128, 4, 5), _config(64, 128, 8, 3), _config(64, 128, 8, 2),
-    _config(32, 64, 4, 3), _config(64, 64, 4, 3), _config(32, 64, 4, 2), _config(16, 64, 4, 2),
-    _config(16, 32, 4, 1),
+    _config(64, 128, 8, 3), _config(64, 128, 8, 2), _config(64, 64, 4, 2), _config(32, 128, 4, 3),
+    _config(32, 64, 4, 3), _config(64, 64, 4, 3), _config(32, 64, 4, 2), _config(32, 64, 4, 1),
+    _config(16, 64, 4, 2), _config(16, 32, 4, 1),
 ]
 # Candidates for the dQ kernel: the other way round, a query tile stays while key tiles stream past.
 DQ_CONFIGS = [
-    _config(128, 32, 4, 3), _config(128, 32, 4, 5), _config(128, 64, 8, 3), _config(128, 64, 8, 2),
+    _config(128, 128, 8, 2), _config(128, 64, 8, 4), _config(128, 64, 8, 3), _config(128, 32, 4, 3),
     _config(64, 32, 4, 3), _config(64, 64, 4, 3), _config(64, 32, 4, 2), _config(64, 16, 4, 2),
     _config(32, 16, 4, 1),
 ]
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
-# Which candidates a large GPU (200 KB of shared memory or more) tries for each head dim, from sweeps on
-# an H100: with d = 64, narrow query tiles streaming past 64- or 128-key tiles in 4 warps; with d = 128,
-# 128-key tiles in 8 warps. Timing the slower candidates only gives the autotuner's noise a chance.
+# Which candidates a large GPU (200 KB of shared memory or more) tries for each head dim, the three fastest
+# at some shape in sweeps on an H100. dK/dV: with d = 64, 64-key tiles in 4 warps; with d = 128, 64-key
+# tiles in 4 warps, or 128-key tiles in 8 warps (with 128 keys in 4 warps, each thread would hold 256
+# floats of dK and dV: registers spill, and the kernel runs 3 to 4 times slower). dQ: 64-query tiles in
+# 4 warps or 128 in 8 with d = 64; 128-query tiles in 8 warps with d = 128. Timing the slower candidates
+# only gives the autotuner's noise a chance.
 _TRIED = {
-    "kv": {64: {(32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 3)},
-           128: {(64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 4, 5)}},
-    "q": {64: {(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)},
-          128: {(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)}},
+    "kv": {64: {(64, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 1)},
+           128: {(64, 64, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2)}},
+    "q": {64: {(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)},
+          128: {(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)}},
 }
 
 
@@ -346,8 +349,7 @@ def _pruner(resident: str):
         """The candidates whose tiles fit in this GPU's shared memory (64 KB per block on a T4, 227 KB
         on an H100), on a large GPU the few chosen for this head dim, not much larger than the sequences."""
         d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-        props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
-        smem = props.get("max_shared_mem", 0) or 1 << 30
+        smem = _device_properties().get("max_shared_mem", 0) or 1 << 30
         kept = [c for c in configs if _smem_bytes(c, d, resident) <= smem]
         if smem >= 200 * 1024 and d in _TRIED[resident]:
             kept = [c for c in kept if _key(c) in _TRIED[resident][d]]
