@@ -1,11 +1,15 @@
-"""Running a grader from a test: did it pass, and what did it print? And the environment of a child
-process that runs the course's commands."""
+"""Running a grader from a test: did it pass, and what did it print? The environment of a child
+process that runs the course's commands, and the GPU properties Triton reports, to stand in for a GPU."""
 import contextlib
 import io
 import os
 from pathlib import Path
 
 import kernelcourse as kc
+
+# What Triton's get_device_properties reports as shared memory per block: 64 KB on a T4, 227 KB on an H100.
+T4 = {"max_shared_mem": 65536, "multiprocessor_count": 40}
+H100 = {"max_shared_mem": 232448, "multiprocessor_count": 132}
 
 
 def grade(exercise_id: str, **objects) -> tuple[bool, str]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import kernelcourse as kc
 from kernelcourse import attention as A
+from tests.helpers import H100, T4
 
 
 def qkv(B, H, n_q, n_k, d, dtype=torch.float32, logit_scale=1.0, seed=0, device="cpu"):
@@ -210,9 +211,6 @@ def test_default_version_and_bf16_error():
         A.check_dtype(torch.bfloat16, (7, 5))
 
 
-T4 = {"max_shared_mem": 65536, "multiprocessor_count": 40}  # what Triton reports for a T4: 64 KB per block
-
-
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("configs", [A.FWD_CONFIGS, A._POINTER_CONFIGS], ids=["descriptors", "pointers"])
 def test_pruned_candidates_fit_a_t4(monkeypatch, d, configs):
@@ -225,6 +223,6 @@ def test_pruned_candidates_fit_a_t4(monkeypatch, d, configs):
 
 
 def test_pruning_on_a_large_gpu_keeps_the_chosen_tiles(monkeypatch):
-    monkeypatch.setattr(A, "_device_properties", lambda: {"max_shared_mem": 232448})   # an H100
+    monkeypatch.setattr(A, "_device_properties", lambda: H100)
     kept = {A._key(c) for c in A._prune(A.FWD_CONFIGS, {"N_Q": 4096, "HEAD_DIM": 128})}
     assert kept == A._TRIED[128]

@@ -9,6 +9,7 @@ import torch
 import kernelcourse as kc
 from kernelcourse import attention as A
 from kernelcourse import attention_backward as AB
+from tests.helpers import H100, T4
 
 
 def qkv_do(B, H, n_q, n_k, d, dtype=torch.float32, logit_scale=1.0, seed=0):
@@ -131,10 +132,6 @@ def test_backward_kernels_match_the_tiled_reference_with_other_tiles():
     ref = AB.tiled_attention_backward_ref(q, k, v, o, lse, do, causal=True)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=F32_TOL, atol=F32_TOL)
-
-
-T4 = {"max_shared_mem": 65536}          # what Triton reports for a T4: 64 KB of shared memory per block
-H100 = {"max_shared_mem": 232448}      # and for an H100: 227 KB
 
 
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
