@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernelcourse as kc
 from kernelcourse import attention as A
@@ -93,7 +95,7 @@ def test_backward_flops_are_two_and_a_half_forwards():
 # N_Q < N_K and N_Q > N_K under the causal mask, scores of about ±1000, one query.
 CASES = [(1, 2, 37, 37, 16, False, 1.0), (1, 2, 37, 37, 16, True, 1.0), (1, 1, 20, 45, 32, True, 1.0),
          (1, 1, 45, 20, 32, True, 1.0), (2, 1, 33, 50, 16, False, 300.0), (1, 1, 40, 40, 16, True, 300.0),
-         (1, 1, 1, 23, 16, False, 1.0), (1, 1, 64, 64, 64, False, 1.0)]
+         (1, 1, 1, 23, 16, False, 1.0), (1, 1, 64, 64, 64, False, 1.0), (2, 3, 37, 37, 16, True, 1.0)]
 
 
 @pytest.mark.parametrize("B, H, n_q, n_k, d, causal, ls", CASES)
@@ -116,6 +118,28 @@ def test_attention_gradients_against_float64(B, H, n_q, n_k, d, causal, ls, dtyp
     rel = 64 * eps if dtype != torch.float32 else 4 * eps * max(16.0, s_max)
     tols = [2 * e + rel * t.abs().max().item() for e, t in zip(torch_error(q, k, v, do, truth, causal), truth)]
     assert_close_to(got, truth, tols, f"{(B, H, n_q, n_k, d)} causal={causal} {dtype}")
+
+
+@triton.jit
+def _record_tile_and_head(out_ptr, GROUP: tl.constexpr):
+    tile, head = AB.tile_and_head(GROUP)
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(out_ptr + 2 * pid, tile)
+    tl.store(out_ptr + 2 * pid + 1, head.to(tl.int32))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_tile_and_head_visits_each_tile_once_in_grouped_order(group):
+    tiles, heads = 5, 7                                 # 7 heads: the last group is partial
+    out = torch.full((tiles * heads, 2), -1, dtype=torch.int32, device=kc.world().device)
+    _record_tile_and_head[(tiles, heads)](out, GROUP=group)
+    got = [tuple(r) for r in out.tolist()]              # (tile, head) of each program, in launch order
+    assert sorted(got) == [(t, h) for t in range(tiles) for h in range(heads)], got
+    want = []
+    for first in range(0, heads, group):
+        in_group = range(first, min(first + group, heads))
+        want += [(t, h) for t in range(tiles) for h in in_group]
+    assert got == want
 
 
 # On a GPU, tl.dot multiplies float32 tiles in TF32 (10-bit mantissa), the interpreter exactly: the

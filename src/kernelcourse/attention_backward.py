@@ -38,7 +38,9 @@ __all__ = ["attention_backward_ref", "tiled_attention_backward_ref", "attention_
            "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel",
            "flash_attention_backward", "tuned_configs", "FlashAttention", "DKDV_CONFIGS", "DQ_CONFIGS"]
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · log2(e))
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x · log2(e)); a constexpr, so kernels can read it
+# Causal backwards take the heads four at a time (tile_and_head); without a mask, head by head was faster.
+CAUSAL_HEAD_GROUP = tl.constexpr(4)
 
 
 # ---- the spec ------------------------------------------------------------------------------------
@@ -123,6 +125,26 @@ def head_start(ptr, off_hz, H, stride_b, stride_h):
 
 
 @triton.jit
+def tile_and_head(GROUP: tl.constexpr):
+    """This program's (tile, batch·head) in a grid of (tiles, B·H), taking the heads GROUP at a time.
+
+    A GPU starts programs in the order of their ids, program_id(0) fastest: GROUP = 1 runs every tile of
+    head 0, then of head 1, and so on. GROUP = G runs tile 0 of heads 0 … G-1, then tile 1 of those heads,
+    and so on, then moves to the next G heads: under a causal mask the tiles with the most work start
+    first across the whole grid, not only within each head, while the few heads in flight keep their
+    tensors in L2.
+    """
+    if GROUP == 1:
+        return tl.program_id(0), tl.program_id(1).to(tl.int64)
+    n_tiles = tl.num_programs(0)
+    pid = tl.program_id(1) * n_tiles + tl.program_id(0)          # the launch order
+    first = pid // (GROUP * n_tiles) * GROUP                     # the group's first head
+    in_group = tl.minimum(GROUP, tl.num_programs(1) - first)     # the last group may be smaller
+    rest = pid - first * n_tiles
+    return rest // in_group, (first + rest % in_group).to(tl.int64)
+
+
+@triton.jit
 def attention_bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, H, N_Q, stride_ob, stride_oh, stride_on,
                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """D = rowsum(dO ∘ O) for BLOCK_M rows of one head: (B·H, N_Q) float32. One program per
@@ -158,12 +180,12 @@ def _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, o
             rows = offs_m < N_Q
             q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)                        # (BLOCK_M, HEAD_DIM)
             do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
-            lse2 = tl.load(lse_head + offs_m, mask=rows, other=0.0) * 1.4426950408889634  # base 2
+            lse2 = tl.load(lse_head + offs_m, mask=rows, other=0.0) * LOG2E  # base 2
             delta = tl.load(delta_head + offs_m, mask=rows, other=0.0)
         else:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
-            lse2 = tl.load(lse_head + offs_m) * 1.4426950408889634
+            lse2 = tl.load(lse_head + offs_m) * LOG2E
             delta = tl.load(delta_head + offs_m)
         # pᵀ = exp(s - lse), recomputed: (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
@@ -179,16 +201,17 @@ def _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, o
     return dk, dv
 
 
-# H, N_Q and N_K vary from call to call; nothing in the unmasked loop depends on their values.
-@triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
+# Triton compiles a variant of a kernel for integer arguments divisible by 16. For N_Q that matters:
+# each head's rows of lse and D then start on a 64-byte boundary and load as vectors. H only picks a head.
+@triton.jit(do_not_specialize=["H"])
 def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sm_scale, H, N_Q, N_K,
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_dob, stride_doh, stride_don,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               CAUSAL: tl.constexpr):
-    # program (key tile, batch·head): it owns BLOCK_N rows of dK and dV and writes each once
-    start_n = tl.program_id(0)
-    off_hz = tl.program_id(1).to(tl.int64)
+    # program (key tile, batch·head): it owns BLOCK_N rows of dK and dV and writes each once.
+    # Causal: key tile 0 has the most work; heads four at a time start it first (see tile_and_head)
+    start_n, off_hz = tile_and_head(CAUSAL_HEAD_GROUP if CAUSAL else 1)
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # this tile's keys
     offs_d = tl.arange(0, HEAD_DIM)
     kv = offs_n[:, None] * stride_kn + offs_d[None, :]                          # k and v share strides
@@ -201,7 +224,7 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
     delta_head = delta_ptr + off_hz * N_Q
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
+    qk_scale = sm_scale * LOG2E
 
     # Queries [lo, m_full) need the causal mask; [m_full, m_whole) none; [.., N_Q) the tail's mask.
     m_whole = (N_Q // BLOCK_M) * BLOCK_M               # query tiles that lie entirely before N_Q
@@ -253,17 +276,16 @@ def _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, lo, hi, 
     return dq
 
 
-@triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
+@triton.jit(do_not_specialize=["H"])
 def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sm_scale, H, N_Q, N_K,
                             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                             stride_dob, stride_doh, stride_don,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             CAUSAL: tl.constexpr):
     # program (query tile, batch·head), as in the forward; causal tiles near the end have the most keys
-    start_m = tl.program_id(0)
+    start_m, off_hz = tile_and_head(CAUSAL_HEAD_GROUP if CAUSAL else 1)
     if CAUSAL:
         start_m = tl.num_programs(0) - 1 - start_m
-    off_hz = tl.program_id(1).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < N_Q
@@ -271,12 +293,12 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
                 mask=rows[:, None], other=0.0)                                  # (BLOCK_M, HEAD_DIM)
     do = tl.load(head_start(do_ptr, off_hz, H, stride_dob, stride_doh) + offs_m[:, None] * stride_don + offs_d[None, :],
                  mask=rows[:, None], other=0.0)
-    lse2 = tl.load(lse_ptr + off_hz * N_Q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(lse_ptr + off_hz * N_Q + offs_m, mask=rows, other=0.0) * LOG2E
     delta = tl.load(delta_ptr + off_hz * N_Q + offs_m, mask=rows, other=0.0)
     k_head = head_start(k_ptr, off_hz, H, stride_kb, stride_kh)
     v_head = head_start(v_ptr, off_hz, H, stride_kb, stride_kh)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
+    qk_scale = sm_scale * LOG2E
 
     # Keys [0, n_full) need no mask; [n_full, n_end) do; [n_end, N_K) are never loaded (chapter 06).
     n_whole = (N_K // BLOCK_N) * BLOCK_N
@@ -366,7 +388,15 @@ _tuned: dict[str, object] = {}
 def _tuned_kernel(which: str):
     if which not in _tuned:
         def bench(fn, quantiles):
-            return triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=quantiles)
+            # at least 40 ms and ten calls of each candidate: a long backward's call takes over 10 ms
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            rep = max(40.0, 10 * start.elapsed_time(end))
+            return triton.testing.do_bench(fn, warmup=10, rep=rep, quantiles=quantiles)
 
         configs, kernel, resident = ((DKDV_CONFIGS, attention_bwd_dkdv_kernel, "kv") if which == "dkdv"
                                      else (DQ_CONFIGS, attention_bwd_dq_kernel, "q"))
