@@ -108,9 +108,17 @@ def _elements_per_thread_between(lo: int, hi: int):
 
 _ROW_WARPS = [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16)]
 _ROWS_WARPS = [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8, 16)]
-_softmax_tuned = None
-_softmax_rows_tuned = None
-_layer_norm_tuned = None
+_tuned: dict = {}
+
+
+def _row_autotuned(kernel, configs, key, per_thread: tuple[int, int]):
+    """``kernel`` under ``triton.autotune``, built on first use: among ``configs``, the candidates that
+    give each thread ``per_thread`` = (lo, hi) elements of its rows, ranked by GPU time
+    (``kc.bench.gpu_time``): at these sizes a call's wall time is mostly its launch, the same for all."""
+    if kernel not in _tuned:
+        prune = {"early_config_prune": _elements_per_thread_between(*per_thread)}
+        _tuned[kernel] = triton.autotune(configs, key=key, prune_configs_by=prune, do_bench=gpu_time_for_autotune)(kernel)
+    return _tuned[kernel]
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -118,10 +126,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
     Long rows go one to a program (``softmax_kernel``); rows of up to ``SHORT_ROW`` elements go
     several to a program (``softmax_rows_kernel``). On a GPU the autotuner picks the warps (and the
-    rows per program) for each row length and dtype, ranking them by GPU time (``kc.bench.gpu_time``):
-    at these sizes a call's wall time is mostly its launch, the same for every candidate.
+    rows per program) for each row length and dtype (``_row_autotuned``).
     """
-    global _softmax_tuned, _softmax_rows_tuned
     assert x.ndim == 2 and x.stride(1) == 1
     n_rows, n_cols = x.shape
     y = torch.empty_like(x)
@@ -129,12 +135,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     if BLOCK <= SHORT_ROW:
         args = (x, y, n_rows, n_cols, x.stride(0), y.stride(0))
         if world().gpu:
-            if _softmax_rows_tuned is None:
-                _softmax_rows_tuned = triton.autotune(
-                    _ROWS_WARPS, key=["BLOCK"],
-                    prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)},
-                    do_bench=gpu_time_for_autotune)(softmax_rows_kernel)
-            _softmax_rows_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, BLOCK=BLOCK)
+            tuned = _row_autotuned(softmax_rows_kernel, _ROWS_WARPS, ["BLOCK"], (4, 64))
+            tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, BLOCK=BLOCK)
         else:
             ROWS = rows_per_program(BLOCK)
             softmax_rows_kernel[(triton.cdiv(n_rows, ROWS),)](*args, BLOCK=BLOCK, ROWS=ROWS,
@@ -142,11 +144,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
         return y
     args = (x, y, n_cols, x.stride(0), y.stride(0))
     if world().gpu:
-        if _softmax_tuned is None:
-            _softmax_tuned = triton.autotune(_ROW_WARPS, key=["BLOCK"],
-                                             prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 64)},
-                                             do_bench=gpu_time_for_autotune)(softmax_kernel)
-        _softmax_tuned[(n_rows,)](*args, BLOCK=BLOCK)
+        _row_autotuned(softmax_kernel, _ROW_WARPS, ["BLOCK"], (4, 64))[(n_rows,)](*args, BLOCK=BLOCK)
     else:
         softmax_kernel[(n_rows,)](*args, BLOCK=BLOCK, num_warps=softmax_num_warps(BLOCK))
     return y
@@ -180,7 +178,6 @@ def residual_layer_norm(x, r, weight, bias, eps: float = 1e-5, activation: str =
     ``activation`` is "" or "gelu" (the exact, erf form). With ``return_residual`` it returns
     ``(y, x + r)``: a transformer block needs the residual stream again later.
     """
-    global _layer_norm_tuned
     assert x.shape == r.shape and x.ndim == 2 and weight.shape == bias.shape == x.shape[-1:]
     x, r = x.contiguous(), r.contiguous()
     n_rows, n_cols = x.shape
@@ -190,11 +187,8 @@ def residual_layer_norm(x, r, weight, bias, eps: float = 1e-5, activation: str =
     args = (x, r, weight, bias, y, h, n_cols, x.stride(0), eps)
     meta = dict(BLOCK=BLOCK, ACTIVATION=activation, STORE_H=return_residual)
     if world().gpu:
-        if _layer_norm_tuned is None:
-            _layer_norm_tuned = triton.autotune(_ROW_WARPS, key=["BLOCK", "ACTIVATION", "STORE_H"],
-                                                prune_configs_by={"early_config_prune": _elements_per_thread_between(4, 32)},
-                                                do_bench=gpu_time_for_autotune)(residual_layer_norm_kernel)
-        _layer_norm_tuned[(n_rows,)](*args, **meta)
+        tuned = _row_autotuned(residual_layer_norm_kernel, _ROW_WARPS, ["BLOCK", "ACTIVATION", "STORE_H"], (4, 32))
+        tuned[(n_rows,)](*args, **meta)
     else:
         residual_layer_norm_kernel[(n_rows,)](*args, **meta, num_warps=softmax_num_warps(BLOCK))
     return (y, h) if return_residual else y
