@@ -388,7 +388,8 @@ _tuned: dict[str, object] = {}
 def _tuned_kernel(which: str):
     if which not in _tuned:
         def bench(fn, quantiles):
-            # at least 40 ms and ten calls of each candidate: a long backward's call takes over 10 ms
+            # at least 40 ms and ten calls of each candidate: a long backward's call takes over 10 ms.
+            # The first call compiles the candidate; the second, timed, sizes the measurement.
             fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
