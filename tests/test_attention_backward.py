@@ -142,6 +142,63 @@ def test_tile_and_head_visits_each_tile_once_in_grouped_order(group):
     assert got == want
 
 
+# Compiled for an H100 (sm_90), on any machine: Triton ships ptxas. The script runs in a fresh process,
+# since this one may have set Triton's interpreter, under which kernels are not compiled.
+_PTXAS_SCRIPT = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+import kernelcourse.attention_backward as AB
+
+fn = AB.attention_bwd_dkdv_kernel
+names = list(fn.arg_names)
+consts = json.loads(sys.argv[1])
+sig = {}
+for n in names:
+    if n in consts:
+        sig[n] = "constexpr"
+    elif n.endswith("_ptr"):
+        sig[n] = "*fp32" if n in ("lse_ptr", "delta_ptr") else "*fp16"
+    else:
+        sig[n] = "fp32" if n == "sm_scale" else "i32"
+# as a launch with contiguous tensors and N divisible by 16 specialises it: pointers, strides, N_Q, N_K
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if sig[n].startswith("*") or n.startswith("stride") or n in ("N_Q", "N_K")}
+src = ASTSource(fn, sig, {(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+warps, stages = json.loads(sys.argv[2])
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "k.ptx")
+    open(path, "w").write(ptx)
+    run = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
+                         capture_output=True, text=True)
+print(run.stdout + run.stderr)
+"""
+
+
+@pytest.mark.parametrize("d, block_m, block_n, warps, stages, causal", [
+    (128, 64, 64, 4, 2, True), (128, 64, 128, 8, 3, True), (128, 64, 64, 4, 2, False), (64, 64, 64, 4, 2, True)])
+def test_dkdv_kernel_compiled_for_hopper_keeps_its_matmuls_asynchronous(d, block_m, block_n, warps, stages, causal):
+    """Hopper's matmuls (wgmma) run asynchronously: the next is issued before the last has finished. When
+    ptxas cannot prove that safe it waits after each one and warns (C7515, C7512), and the kernel loses
+    a tenth of its speed or more. The dK/dV kernel's loop order keeps that from happening (see the kernel)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    consts = {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
+    run = subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT, json.dumps(consts), json.dumps([warps, stages])],
+                         capture_output=True, text=True, env=env, timeout=300)
+    if run.returncode != 0 and "get_ptxas" in run.stderr and "No such file" in run.stderr:
+        pytest.skip("this Triton has no ptxas")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Used" in run.stdout, run.stdout[-2000:]               # ptxas ran and reported its registers
+    assert "serialized" not in run.stdout, run.stdout[-2000:]
+
+
 # On a GPU, tl.dot multiplies float32 tiles in TF32 (10-bit mantissa), the interpreter exactly: the
 # float32 tests below allow TF32's error there, and scores of ±30 only in the interpreter.
 TF32 = kc.world().gpu

@@ -237,10 +237,14 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
         lo = 0
         m_full = 0
     m_tail = tl.maximum(m_full, m_whole)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, lo, m_full, N_Q,
-                         stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
+    # The unmasked tiles first, then the masked ones: the sums are the same in any order, but compiled for a
+    # Hopper GPU with the diagonal's loop first, ptxas makes every matmul of the kernel wait for the one
+    # before it (its warning C7515: "wgmma.mma_async instructions are serialized").
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_full, m_whole, N_Q,
                          stride_qn, stride_don, BLOCK_M, HEAD_DIM, False, CAUSAL)
+    if CAUSAL:
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, lo, m_full, N_Q,
+                             stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_tail, N_Q, N_Q,
                          stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
     out = off_hz * N_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # dk, dv: contiguous
