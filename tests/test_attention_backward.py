@@ -152,7 +152,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 import kernelcourse.attention_backward as AB
 
-fn = AB.attention_bwd_dkdv_kernel
+fn = getattr(AB, sys.argv[3])
 names = list(fn.arg_names)
 consts = json.loads(sys.argv[1])
 sig = {}
@@ -178,9 +178,12 @@ print(run.stdout + run.stderr)
 """
 
 
-@pytest.mark.parametrize("d, block_m, block_n, warps, stages, causal", [
-    (128, 64, 64, 4, 2, True), (128, 64, 128, 8, 3, True), (128, 64, 64, 4, 2, False), (64, 64, 64, 4, 2, True)])
-def test_dkdv_kernel_compiled_for_hopper_keeps_its_matmuls_asynchronous(d, block_m, block_n, warps, stages, causal):
+@pytest.mark.parametrize("kernel, d, block_m, block_n, warps, stages, causal", [
+    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, True), ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, True),
+    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, False), ("attention_bwd_dkdv_kernel", 64, 64, 64, 4, 2, True),
+    ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, True), ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, False)])
+def test_backward_kernels_compiled_for_hopper_keep_their_matmuls_asynchronous(kernel, d, block_m, block_n, warps,
+                                                                              stages, causal):
     """Hopper's matmuls (wgmma) run asynchronously: the next is issued before the last has finished. When
     ptxas cannot prove that safe it waits after each one and warns (C7515, C7512), and the kernel loses
     a tenth of its speed or more. The dK/dV kernel's loop order keeps that from happening (see the kernel)."""
@@ -190,7 +193,7 @@ def test_dkdv_kernel_compiled_for_hopper_keeps_its_matmuls_asynchronous(d, block
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     consts = {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
-    run = subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT, json.dumps(consts), json.dumps([warps, stages])],
+    run = subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT, json.dumps(consts), json.dumps([warps, stages]), kernel],
                          capture_output=True, text=True, env=env, timeout=300)
     if run.returncode != 0 and "get_ptxas" in run.stderr and "No such file" in run.stderr:
         pytest.skip("this Triton has no ptxas")
