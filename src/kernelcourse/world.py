@@ -191,6 +191,9 @@ def setup(world: str | None = None, quiet: bool = False) -> World:
     _current = w
     # Small teaching launches trip numba's occupancy warning; it is true and beside the point here.
     warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization.*")
+    # The autograd engine runs a GPU backward on a thread of its own; the first cuBLAS call there makes the
+    # GPU's primary context current on that thread, and PyTorch says so once. Nothing is wrong.
+    warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     if not quiet:
         print(banner(w))
         if problem := _known_problem(w):
