@@ -292,11 +292,20 @@ def make_fused(mistake=""):
             if MISTAKE == "last_row":
                 dw = dy * xhat
                 db = dy
+            elif MISTAKE == "partials_through_memory":  # right, but each row waits on a load of the last one's store
+                part = part_ptr + pid * 2 * n_cols + cols
+                if i == 0:
+                    tl.store(part, dy * xhat, mask=mask)
+                    tl.store(part + n_cols, dy, mask=mask)
+                else:
+                    tl.store(part, tl.load(part, mask=mask) + dy * xhat, mask=mask)
+                    tl.store(part + n_cols, tl.load(part + n_cols, mask=mask) + dy, mask=mask)
             else:
                 dw += dy * xhat
                 db += dy
-        tl.store(part_ptr + pid * 2 * n_cols + cols, dw, mask=mask)
-        tl.store(part_ptr + pid * 2 * n_cols + n_cols + cols, db, mask=mask)
+        if MISTAKE != "partials_through_memory":
+            tl.store(part_ptr + pid * 2 * n_cols + cols, dw, mask=mask)
+            tl.store(part_ptr + pid * 2 * n_cols + n_cols + cols, db, mask=mask)
     return WithMistake(layer_norm_backward_kernel, mistake)
 
 
@@ -315,3 +324,19 @@ def test_08_5_accepts_correct():
 def test_08_5_rejects_mistakes(mistake, hint):
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
     assert not passed and hint in text, text
+
+
+def test_08_5_grades_speed_on_a_gpu():
+    """A kernel that keeps its partial sums in memory, not in registers, computes the right numbers: it
+    passes every correctness check, and only the speed check, graded on a GPU alone, can fail it (on an
+    H100 it runs at about 0.8x PyTorch's speed, against the 0.9x asked for; timings vary too much from
+    GPU to GPU to assert the verdict here)."""
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused("partials_through_memory"))
+    speed = [line for line in text.splitlines() if "LayerNorm backward at 16384 x 2048 bf16" in line]
+    assert len(speed) == 1, text
+    failed = [line for line in text.splitlines() if line.startswith("✘")]
+    assert failed in ([], speed), text
+    if kc.world().gpu:
+        assert "the speed of PyTorch's LayerNorm backward" in speed[0] and "not graded" not in text, text
+    else:
+        assert passed and "speed needs a GPU" in speed[0], text
