@@ -275,6 +275,7 @@ def make_fused(mistake=""):
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         db = tl.zeros((BLOCK,), dtype=tl.float32)
+        part = part_ptr + pid * 2 * n_cols + cols  # this program's partial dW, then its partial dB
         for i in range(ROWS_PER_PROGRAM):
             row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
             m = mask & (row < n_rows)
@@ -293,7 +294,6 @@ def make_fused(mistake=""):
                 dw = dy * xhat
                 db = dy
             elif MISTAKE == "partials_through_memory":  # right, but each row waits on a load of the last one's store
-                part = part_ptr + pid * 2 * n_cols + cols
                 if i == 0:
                     tl.store(part, dy * xhat, mask=mask)
                     tl.store(part + n_cols, dy, mask=mask)
@@ -304,8 +304,8 @@ def make_fused(mistake=""):
                 dw += dy * xhat
                 db += dy
         if MISTAKE != "partials_through_memory":
-            tl.store(part_ptr + pid * 2 * n_cols + cols, dw, mask=mask)
-            tl.store(part_ptr + pid * 2 * n_cols + n_cols + cols, db, mask=mask)
+            tl.store(part, dw, mask=mask)
+            tl.store(part + n_cols, db, mask=mask)
     return WithMistake(layer_norm_backward_kernel, mistake)
 
 
