@@ -33,6 +33,12 @@ class World:
     def sm(self) -> str:
         return f"sm_{self.capability[0]}{self.capability[1]}" if self.capability else "none"
 
+    @property
+    def has_bf16(self) -> bool:
+        """bfloat16 arithmetic on this GPU: compute capability 8.0 (Ampere) and newer; not the T4, not
+        Triton's interpreter."""
+        return self.gpu and self.capability is not None and tuple(self.capability) >= (8, 0)
+
 
 _current: World | None = None
 
@@ -219,6 +225,30 @@ def _known_problem(w: World) -> str | None:
                 "on the CPU (chapters 04-06). Run  %pip install \"numpy>=2,<2.4\"  in a cell, restart the kernel "
                 "(on Colab: Runtime > Restart session), then run the notebook again from the top.")
     return None
+
+
+_said_fp16 = False
+
+
+def low_precision_dtype(w: World | None = None):
+    """The 16-bit dtype the course computes in where a chapter says "bf16" (chapters 07-09).
+
+    bfloat16 on a GPU that has it; float16 on an older GPU such as the T4 (said once); float32 in the CPU
+    world, whose interpreter has no bfloat16 and where only correctness is checked.
+    """
+    global _said_fp16
+    import torch
+
+    w = w or world()
+    if not w.gpu:
+        return torch.float32
+    if w.has_bf16:
+        return torch.bfloat16
+    if not _said_fp16:
+        _said_fp16 = True
+        print(f"Note: {w.name} (compute capability {w.capability[0]}.{w.capability[1]}) has no bfloat16; "
+              "the course computes in float16 here instead, and compares every method in float16 too.")
+    return torch.float16
 
 
 def world() -> World:
