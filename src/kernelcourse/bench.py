@@ -190,7 +190,7 @@ def table(rows: list[dict], columns: dict[str, str]) -> str:
     """Render ``rows`` as a fixed-width text table; ``columns`` maps row keys to format specs."""
     heads = list(columns)
     cells = [[format(r[k], columns[k]) for k in heads] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
