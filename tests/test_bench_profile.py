@@ -45,3 +45,23 @@ def test_a_recording_of_another_schema_is_not_shown_on_the_cpu(tmp_path, monkeyp
     bench.save(bench.Results("99_x", [{"a": 1}], bench.provenance(), recorded=False), schema=2)
     assert bench.measured_or_recorded("99_x", None, schema=2).rows == [{"a": 1}]
     assert bench.measured_or_recorded("99_x", None).rows == [{"a": 1}]
+
+
+@pytest.mark.skipif(not kc.world().gpu, reason="profiling a GPU's kernels needs a CUDA GPU")
+def test_profile_keeps_the_active_steps_and_counts_triton_launches():
+    import torch
+
+    from kernelcourse import kernels
+
+    x = torch.randn(1 << 20, device="cuda")
+    a = torch.randn(512, 512, device="cuda")
+
+    def step():
+        kernels.add(x, x)   # a Triton kernel: launched through the driver, not cudaLaunchKernel
+        (a @ a).relu_()
+
+    step()
+    s = bench.profile(step, wait=1, warmup=2, active=3)["stats"]
+    assert s["steps"] == 3, s
+    assert s["kernels"] >= 9 and s["launches"] >= s["kernels"], s
+    assert set(s["launches_by_api"]) - {"cudaLaunchKernel"}, s   # Triton's launch API is counted too
