@@ -242,8 +242,10 @@ def profile(fn, *, wait: int = 1, warmup: int = 3, active: int = 2) -> dict:
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                                 schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)) as prof:
-        for _ in range(wait + warmup + active):
+        for i in range(wait + warmup + active):
             fn()
+            if i == wait + warmup - 1:
+                torch.cuda.synchronize()  # the warm-up's kernels end before the recorded steps begin
             prof.step()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
