@@ -109,6 +109,8 @@ class Results:
     @property
     def label(self) -> str:
         p = self.provenance
+        if p.get("gpu") is None:
+            return "no GPU recording yet"
         when = "recorded" if self.recorded else "measured"
         return f"{when} on {p['gpu']}, {p['date']}"
 
@@ -134,10 +136,18 @@ def load(name: str) -> Results:
     return Results(name, data["rows"], data["provenance"], recorded=True)
 
 
-def save(results: Results) -> Path:
+def recorded_schema(name: str) -> int | None:
+    """The ``schema`` a recording was saved with (None for a recording without one, or no recording)."""
+    path = recorded_path(name)
+    return json.loads(path.read_text()).get("schema") if path.exists() else None
+
+
+def save(results: Results, schema: int | None = None) -> Path:
     path = recorded_path(results.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"provenance": results.provenance, "rows": results.rows}
+    if schema is not None:
+        payload["schema"] = schema
     path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
     return path
 
@@ -152,13 +162,22 @@ def records(name: str) -> bool:
     return not chapter or name.startswith(f"{chapter}_")
 
 
-def measured_or_recorded(name: str, measure) -> Results:
-    """Measure now on a GPU (``measure()`` returns a list of dict rows), or load the recorded rows."""
+def measured_or_recorded(name: str, measure, schema: int | None = None) -> Results:
+    """Measure now on a GPU (``measure()`` returns a list of dict rows), or load the recorded rows.
+
+    ``schema`` numbers what the rows hold: when a lesson changes what it measures it raises the number,
+    and on the CPU a recording saved with another number (or none) is not shown: the result has no rows,
+    and a line says that no GPU recording of this measurement exists yet.
+    """
     if world().gpu:
         results = Results(name, measure(), provenance(), recorded=False)
         if records(name):
-            save(results)
+            save(results, schema)
     else:
+        if schema is not None and recorded_schema(name) != schema:
+            print(f"No GPU here, and no GPU recording of this measurement ({name!r}) exists yet: "
+                  f"run this notebook on a GPU to see it.")
+            return Results(name, [], {"gpu": None, "date": None}, recorded=True)
         results = load(name)
         p = results.provenance
         v = p["versions"]
@@ -171,7 +190,91 @@ def table(rows: list[dict], columns: dict[str, str]) -> str:
     """Render ``rows`` as a fixed-width text table; ``columns`` maps row keys to format specs."""
     heads = list(columns)
     cells = [[format(r[k], columns[k]) for k in heads] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+# ---- profiling (introduced in chapter 08) ---------------------------------------------------------
+
+TRACE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "user_annotation",
+                    "gpu_user_annotation"}
+# Every call by which the CPU starts work on the GPU. PyTorch's own kernels go through cudaLaunchKernel;
+# Triton's kernels and cuBLAS's newer ones through the driver's cuLaunchKernelEx (or the runtime's
+# cudaLaunchKernelExC): a count of cudaLaunchKernel alone misses them.
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
+               "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cudaGraphLaunch", "cuGraphLaunch",
+               "cudaMemcpyAsync", "cudaMemsetAsync")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def compact_trace(trace) -> list[dict]:
+    """The events of a Chrome trace (a dict, or the path ``prof.export_chrome_trace`` wrote) that say where
+    time went: GPU kernels and copies, CUDA runtime and driver calls, annotated ranges; rows
+    ``{cat, name, ts, dur}`` in microseconds from the first kept event, sorted by start."""
+    if not isinstance(trace, dict):
+        trace = json.loads(Path(trace).read_text())
+    evs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in TRACE_CATEGORIES]
+    t0 = min(float(e["ts"]) for e in evs)
+    rows = [{"cat": e["cat"], "name": e["name"], "ts": round(float(e["ts"]) - t0, 3), "dur": round(float(e["dur"]), 3)}
+            for e in evs]
+    return sorted(rows, key=lambda r: r["ts"])
+
+
+def profile(fn, *, wait: int = 1, warmup: int = 3, active: int = 2) -> dict:
+    """Profile ``fn()`` with ``torch.profiler`` on a schedule: ``wait`` calls unrecorded, ``warmup`` calls
+    with the profiler running but their events dropped, then ``active`` recorded calls.
+
+    The first calls under a profiler are slow (it allocates its buffers, CUPTI attaches to the kernels),
+    and a trace of them shows that cost, not ``fn``'s: the warm-up calls absorb it. Compile and tune
+    ``fn`` before (run it once or twice): the schedule does not tell a first call's compilation from its
+    work. Each call is one profiler step (``ProfilerStep#i`` in the trace). Returns
+    ``{"events": compact_trace(...), "stats": trace_stats(events)}``.
+    """
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, schedule
+
+    if not world().gpu:
+        raise RuntimeError("profiling a GPU's kernels needs a CUDA GPU; on the CPU, notebooks show recorded traces")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)) as prof:
+        for i in range(wait + warmup + active):
+            fn()
+            if i == wait + warmup - 1:
+                torch.cuda.synchronize()  # the warm-up's kernels end before the recorded steps begin
+            prof.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = compact_trace(path)
+    return {"events": events, "stats": trace_stats(events)}
+
+
+def trace_stats(events: list[dict]) -> dict:
+    """What a compact trace says about launches and idle time.
+
+    ``kernels``: GPU events (kernels, copies, memsets); ``launches``: every launch call of ``LAUNCH_APIS``
+    and ``launches_by_api``: per call; ``span_us`` from the first GPU event's start to the last one's end,
+    ``busy_us`` the time some GPU event runs (overlaps count once), ``idle_us`` and ``idle_share`` the rest;
+    ``steps``: the recorded profiler steps, and ``step_ms``: the span divided by their number.
+    """
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in GPU_CATEGORIES)
+    busy, end = 0.0, float("-inf")
+    for s, t in iv:
+        if t > end:
+            busy += t - max(s, end)
+            end = t
+    span = iv[-1][1] - iv[0][0] if iv else 0.0
+    by_api: dict[str, int] = {}
+    for e in events:
+        if e["cat"] in ("cuda_runtime", "cuda_driver") and e["name"] in LAUNCH_APIS:
+            by_api[e["name"]] = by_api.get(e["name"], 0) + 1
+    steps = sum(1 for e in events if e["cat"] == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+    return {"kernels": len(iv), "launches": sum(by_api.values()), "launches_by_api": by_api,
+            "span_us": span, "busy_us": busy, "idle_us": span - busy, "idle_share": (span - busy) / span if span else 0.0,
+            "steps": steps, "step_ms": span / steps / 1e3 if steps else float("nan")}
