@@ -46,6 +46,7 @@ __all__ = ["layer_norm_backward_kernel", "column_sum_kernel", "layer_norm_backwa
            "plot_timeline"]
 
 DATA_DIR = Path(__file__).parent / "data"
+ops = torch.ops.kernelcourse  # the course's kernels as PyTorch operators (kernels.py, and below)
 
 # ---- LayerNorm backward ---------------------------------------------------------------------------
 
@@ -160,11 +161,13 @@ def torch_layer_norm_backward(h, weight, dy, eps: float = 1e-5):
 
 class ResidualLayerNorm(torch.autograd.Function):
     """``(y, h) = (layer_norm(x + r) * weight + bias, x + r)``: chapter 04's fused forward, this chapter's
-    backward. ``x`` and ``r`` are 2D; ``weight`` and ``bias`` may be float32 with ``x`` in 16 bits."""
+    backward. ``x`` and ``r`` are 2D; ``weight`` and ``bias`` may be float32 with ``x`` in 16 bits. It is
+    the autograd of the operator ``torch.ops.kernelcourse.residual_layer_norm``, whose kernels the forward
+    and the backward call as operators, so that ``torch.compile`` can trace both (chapter 09)."""
 
     @staticmethod
     def forward(ctx, x, r, weight, bias, eps):
-        y, h = kernels.residual_layer_norm(x, r, weight, bias, eps, return_residual=True)
+        y, h = kernels._below_autograd(ops.residual_layer_norm.default, x, r, weight, bias, eps)  # chapter 04's kernel
         ctx.save_for_backward(h, weight)
         ctx.eps = eps
         return y, h
@@ -172,44 +175,69 @@ class ResidualLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         h, weight = ctx.saved_tensors
-        dx, dw, db = layer_norm_backward(h, weight, dy, ctx.eps, dres=dh)
-        return dx, dx, dw, db, None  # h = x + r: x and r get the same gradient
+        dx, dwdb = ops.layer_norm_backward(h, weight, dy, dh, ctx.eps)  # layer_norm_backward, as an operator
+        return dx, dx, dwdb[0], dwdb[1], None  # h = x + r: x and r get the same gradient
 
 
 def residual_layer_norm(x, r, weight, bias, eps: float = 1e-5):
     """Differentiable ``(layer_norm(x + r), x + r)`` for tensors of any shape (..., d) (chapter 08)."""
     shape = x.shape
-    y, h = ResidualLayerNorm.apply(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]), weight, bias, eps)
+    y, h = ops.residual_layer_norm(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]), weight, bias, eps)
     return y.view(shape), h.view(shape)
+
+
+# ---- the operators (chapter 09) -------------------------------------------------------------------
+# kernels.py explains why these are torch.library operators; here chapter 08's LayerNorm backward joins
+# them, and ResidualLayerNorm becomes the autograd of kernelcourse::residual_layer_norm.
+
+_LN_BACKWARD: dict = {}  # (rows, columns, device) -> (programs, launch options): found once
+
+
+def layer_norm_backward_lean(h, weight, dy, dres=None, eps: float = 1e-5):
+    """``layer_norm_backward(h, weight, dy, eps, dres)`` through a lean path: ``(dx, dwdb)`` with ``dwdb``
+    (2, d) = (dw, db). The number of programs, rows per program and warps are worked out once per shape
+    (no device query per call) and the two kernels launched with tuple grids; the kernels and the launch
+    options are the same as ``layer_norm_backward``'s, so the results agree bit for bit."""
+    assert h.ndim == 2 and dy.shape == h.shape, (h.shape, dy.shape)
+    n_rows, n_cols = h.shape
+    key = (n_rows, n_cols, h.get_device())
+    opts = _LN_BACKWARD.get(key)
+    if opts is None:
+        programs = _programs(n_rows)
+        rows_per_program = triton.cdiv(n_rows, programs)
+        programs = triton.cdiv(n_rows, rows_per_program)
+        BLOCK = triton.next_power_of_2(n_cols)
+        meta = dict(ROWS_PER_PROGRAM=rows_per_program, BLOCK=BLOCK, num_warps=max(1, min(16, BLOCK // 256)))
+        opts = _LN_BACKWARD[key] = (programs, meta, (triton.cdiv(2 * n_cols, 64),))
+    programs, meta, sum_grid = opts
+    h, dy = h.contiguous(), dy.contiguous()
+    dx = torch.empty_like(h)
+    part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
+    has_dres = dres is not None
+    layer_norm_backward_kernel[(programs,)](h, dy, dres.contiguous() if has_dres else dx, weight, dx, part, n_rows,
+                                            n_cols, h.stride(0), eps, HAS_DRES=has_dres, **meta)
+    dwdb = torch.empty((2, n_cols), device=h.device, dtype=weight.dtype)
+    column_sum_kernel[sum_grid](part, dwdb, programs, 2 * n_cols, 2 * n_cols, BLOCK_P=32, BLOCK_N=64)
+    return dx, dwdb
+
+
+def _ln_backward_fake(h, weight, dy, dres=None, eps=1e-5):
+    return torch.empty_like(h, memory_format=torch.contiguous_format), weight.new_empty((2, h.shape[1]))
+
+
+kernels._define("layer_norm_backward(Tensor h, Tensor weight, Tensor dy, Tensor? dres=None, float eps=1e-05) "
+                "-> (Tensor, Tensor)", layer_norm_backward_lean, _ln_backward_fake)
+kernels._register_autograd("residual_layer_norm", ResidualLayerNorm)
 
 
 # ---- matmuls --------------------------------------------------------------------------------------
 
-
-class TritonMatmul(torch.autograd.Function):
-    """``act(x @ w)`` with chapter 05's matmul (activation fused into its epilogue) in the forward,
-    cuBLAS in the backward. With GELU, the backward recomputes the pre-activation ``x @ w`` (one more
-    matmul) because the fused kernel never writes it to memory."""
-
-    @staticmethod
-    def forward(ctx, x, w, activation):
-        ctx.save_for_backward(x, w)
-        ctx.activation = activation
-        return kernels.matmul(x, w, activation=activation)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, w = ctx.saved_tensors
-        if ctx.activation == "gelu":
-            dout = torch.ops.aten.gelu_backward(dout, x @ w)
-        elif ctx.activation:
-            raise NotImplementedError(ctx.activation)
-        return dout @ w.t(), x.t() @ dout, None
+TritonMatmul = kernels.TritonMatmul  # the autograd of kernelcourse::matmul: Triton forward, cuBLAS backward
 
 
 def _mm(x2d, w, use_triton: bool, activation: str = ""):
     if use_triton:
-        return TritonMatmul.apply(x2d, w, activation)
+        return ops.matmul(x2d, w, activation)
     out = x2d @ w
     return F.gelu(out) if activation == "gelu" else out
 
@@ -268,9 +296,9 @@ class Block(nn.Module):
                                     .view(B * N, d), B, N, dt).view(B, N, d)
             m = self._mlp(F.layer_norm(x, (d,), self.ln2_w.to(dt), self.ln2_b.to(dt), self.eps).view(B * N, d), dt)
             return x, m.view(B, N, d)
-        y, x = ResidualLayerNorm.apply(h.reshape(B * N, d), delta.reshape(B * N, d), self.ln1_w, self.ln1_b, self.eps)
+        y, x = ops.residual_layer_norm(h.reshape(B * N, d), delta.reshape(B * N, d), self.ln1_w, self.ln1_b, self.eps)
         a = self._attention(y, B, N, dt)
-        y, x = ResidualLayerNorm.apply(x, a, self.ln2_w, self.ln2_b, self.eps)  # the residual add, fused
+        y, x = ops.residual_layer_norm(x, a, self.ln2_w, self.ln2_b, self.eps)  # the residual add, fused
         m = self._mlp(y, dt)
         return x.view(B, N, d), m.view(B, N, d)
 
