@@ -10,6 +10,7 @@ import kernelcourse as kc
 from kernelcourse import attention as kca
 from kernelcourse import kernels as K
 from kernelcourse import transformer as T
+from kernelcourse.world import low_precision_dtype
 
 ops = torch.ops.kernelcourse
 GPU = kc.world().gpu
@@ -225,7 +226,7 @@ def test_reduce_overhead_graphs_the_compiled_block_step():
     means Inductor found something it cannot capture and ran that part launch by launch)."""
     from torch._dynamo.utils import counters
 
-    dtype = kc.world.low_precision_dtype()
+    dtype = low_precision_dtype()
     _, course, h, delta = T.make_pair(2, 128, 128, 2, dtype, triton_matmuls=T.MATMULS)
     grads = (torch.randn_like(h), torch.randn_like(h))
     torch._dynamo.reset()
