@@ -13,6 +13,12 @@ Import it after ``kc.setup()``: Triton reads the interpreter switch when a kerne
 the launchers let ``triton.autotune`` pick ``num_warps`` (and, for the matmul, tile sizes and
 ``num_stages``) the first time each shape is seen; on the CPU they use fixed choices, because the
 interpreter has nothing to time.
+
+Chapter 09 adds, at the end, a lean launch path for the softmax, the residual LayerNorm and the matmul
+(``softmax_lean``, ``residual_layer_norm_lean``, ``matmul_lean``: the launch options looked up once per
+shape key instead of worked out on every call) and makes each a PyTorch operator,
+``torch.ops.kernelcourse.softmax``, ``.residual_layer_norm`` and ``.matmul``, that ``torch.compile`` keeps
+in its graph and autograd differentiates.
 """
 from __future__ import annotations
 
@@ -405,7 +411,8 @@ _lib = torch.library.Library("kernelcourse", "FRAGMENT")
 
 def _define(schema: str, launcher, fake) -> None:
     name = schema.split("(", 1)[0]
-    _lib.define(schema)
+    if not hasattr(torch.ops.kernelcourse, name):  # defined already if this module is imported again
+        _lib.define(schema)
     for key in ("CPU", "CUDA"):  # CPU: the interpreter's world; CUDA: a GPU
         _lib.impl(name, launcher, key)
     torch.library.register_fake(f"kernelcourse::{name}", fake, lib=_lib)

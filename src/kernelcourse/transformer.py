@@ -13,7 +13,11 @@
   pass of its own.
 - ``GPT``: a character-level GPT of such blocks; ``course_text`` is the text it trains on, the course's
   own prose.
-- Measurements the lesson records (``bench_*``, ``train_compare``, ``profile_step``) and helpers that
+- The operators (chapter 09): ``torch.ops.kernelcourse.layer_norm_backward`` (the lean path
+  ``layer_norm_backward_lean``) joins chapter 04-05's operators (``kernels``), and ``ResidualLayerNorm`` is
+  the autograd of ``torch.ops.kernelcourse.residual_layer_norm``; the course's block calls the operators,
+  so ``torch.compile(fullgraph=True)`` can take it whole.
+- Measurements the lessons record (``bench_*``, ``train_compare``, ``profile_step``) and helpers that
   read a profiler trace (``compact_trace``, ``kernel_family``, ``by_kernel``, ``by_family``, ``gpu_idle``,
   ``plot_timeline``).
 
@@ -40,7 +44,7 @@ from . import kernels
 from .world import low_precision_dtype, world
 
 __all__ = ["layer_norm_backward_kernel", "column_sum_kernel", "layer_norm_backward", "layer_norm_backward_ref",
-           "torch_layer_norm_backward",
+           "torch_layer_norm_backward", "layer_norm_backward_lean", "ops", "TritonMatmul", "bench_block", "bench_gpt",
            "ResidualLayerNorm", "residual_layer_norm", "Block", "GPT", "GPTConfig", "course_text", "CharCodec",
            "block_flops", "block_min_bytes", "bench_launch_cost", "compact_trace", "kernel_family", "by_kernel", "by_family", "gpu_idle",
            "plot_timeline"]
