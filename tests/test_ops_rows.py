@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import kernelcourse as kc
 from kernelcourse import attention as kca
+from kernelcourse import attention_backward as kcb
 from kernelcourse import kernels as K
 from kernelcourse import transformer as T
 from kernelcourse.world import low_precision_dtype
@@ -140,27 +141,37 @@ _ATTENTION_IS_AN_OPERATOR = []
 
 @pytest.fixture
 def attention_compiles():
-    """Whether chapter 07's ``kc.attention.attention`` can be traced with fake tensors, as ``torch.compile``
+    """Whether chapter 07's ``attention`` can be traced with fake tensors, as ``torch.compile``
     does (it can once it is a PyTorch operator with a fake function; a Triton launch on fake tensors
-    fails); a test of the whole block is an expected failure until then."""
+    fails); a test of the whole block is an expected failure until then. Cheaper than asking Dynamo,
+    which would trace into Triton's interpreter for half a minute before it gave up."""
     if not _ATTENTION_IS_AN_OPERATOR:
+        from unittest import mock
+
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        try:
-            with FakeTensorMode():
+        try:  # is_compiling: the path attention takes when traced, where it may differ from the eager one
+            with FakeTensorMode(), mock.patch("torch.compiler.is_compiling", return_value=True):
                 q = torch.randn(1, 2, 16, 16, device=_dev())
-                kca.attention(q, q, q, causal=True)
+                _course_attention()(q, q, q, causal=True)
             _ATTENTION_IS_AN_OPERATOR.append(True)
         except Exception:  # noqa: BLE001 - "Cannot access data pointer" and the like
             _ATTENTION_IS_AN_OPERATOR.append(False)
     if not _ATTENTION_IS_AN_OPERATOR[0]:
-        pytest.xfail("kc.attention.attention cannot be traced with fake tensors: it is not yet a PyTorch operator")
+        pytest.xfail("chapter 07's attention cannot be traced with fake tensors: it is not yet a PyTorch operator")
+
+
+def _course_attention():
+    """Chapter 07's differentiable attention, from the module the block imports it from."""
+    return getattr(kcb, "attention", None) or kca.attention
 
 
 @pytest.fixture
 def sdpa_attention(monkeypatch):
     """The course's block with SDPA in place of chapter 07's attention: everything else is this module's."""
-    monkeypatch.setattr(kca, "attention", _sdpa_attention)
+    for module in (kca, kcb):
+        if hasattr(module, "attention"):
+            monkeypatch.setattr(module, "attention", _sdpa_attention)
 
 
 def _tiny_pair(triton_matmuls=T.MATMULS):
@@ -173,9 +184,10 @@ def test_course_block_compiles_whole_apart_from_attention(sdpa_attention):
 
 
 def test_course_block_compiles_whole(attention_compiles):
-    """Depends on kc.attention.attention being an operator (chapter 07's module)."""
+    """Depends on chapter 07's attention being an operator."""
     _, course, h, delta = _tiny_pair()
     assert _graph_breaks(course, h, delta) == (0, [])
+    _compiled_matches_eager(course, (h, delta), "aot_eager")
 
 
 def _compiled_matches_eager(model, args, backend):
@@ -213,7 +225,7 @@ def test_gpt_compiles_whole_apart_from_attention(sdpa_attention):
 
 
 def test_gpt_compiles_whole(attention_compiles):
-    """Depends on kc.attention.attention being an operator (chapter 07's module)."""
+    """Depends on chapter 07's attention being an operator."""
     model, idx, targets = _tiny_gpt()
     assert _graph_breaks(model, idx, targets) == (0, [])
 
