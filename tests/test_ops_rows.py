@@ -233,8 +233,7 @@ def test_gpt_compiles_whole(attention_compiles):
 # ---- on a GPU: Inductor, and CUDA graphs with mode="reduce-overhead" ------------------------------------
 
 
-@needs_cuda
-def test_reduce_overhead_graphs_the_compiled_block_step():
+def _check_reduce_overhead_graphs_the_block_step():
     """The compiled course block, forward and backward, replayed as CUDA graphs: no cudagraph skips (a skip
     means Inductor found something it cannot capture and ran that part launch by launch)."""
     from torch._dynamo.utils import counters
@@ -244,6 +243,7 @@ def test_reduce_overhead_graphs_the_compiled_block_step():
     grads = (torch.randn_like(h), torch.randn_like(h))
     x, m = course(h, delta)  # eager first: the kernels tune here, not during reduce-overhead's warm-up
     torch.autograd.backward((x, m), grads)
+    ref_x, ref_m = x.detach().clone(), m.detach().clone()
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(course, fullgraph=True, mode="reduce-overhead")
@@ -252,13 +252,23 @@ def test_reduce_overhead_graphs_the_compiled_block_step():
         torch.autograd.backward((x, m), grads)
     torch.cuda.synchronize()
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    ref_x, ref_m = course(h, delta)
     torch.testing.assert_close(x, ref_x, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(m, ref_m, rtol=2e-2, atol=2e-2)
 
 
 @needs_cuda
-def test_inductor_compiled_gpt_trains_like_eager():
+def test_reduce_overhead_graphs_the_block_step_apart_from_attention(sdpa_attention):
+    _check_reduce_overhead_graphs_the_block_step()
+
+
+@needs_cuda
+def test_reduce_overhead_graphs_the_block_step(attention_compiles):
+    """Depends on chapter 07's attention being an operator."""
+    _check_reduce_overhead_graphs_the_block_step()
+
+
+@needs_cuda
+def test_inductor_compiled_gpt_trains_like_eager(attention_compiles):
     model, idx, targets = _tiny_gpt()
     loss = model(idx, targets)
     compiled = torch.compile(model, fullgraph=True)
