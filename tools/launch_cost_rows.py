@@ -7,7 +7,7 @@ call: ``--calls`` calls back to back with no wait for the GPU, after a warm-up; 
 ``kc.bench.gpu_time`` (the calls in a CUDA graph, L2 flushed between them). ``x floor`` is the CPU cost
 over the one-line Triton kernel's; the lean paths aim at 2x or less.
 
-    python tools/launch_cost_rows.py [--calls 300] [--dtype bf16|fp16|fp32]
+    python tools/launch_cost_rows.py [--calls 300] [--dtype bf16|fp16|fp32] [--block]
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def cpu_us(fn, calls: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--block", action="store_true", help="also one forward + backward of chapter 08's block")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                         help="default: kernelcourse.world.low_precision_dtype() (bf16, or fp16 before compute capability 8.0)")
     args = parser.parse_args()
@@ -92,6 +93,13 @@ def main() -> int:
     for op, impl, fn in cases:
         c = cpu_us(fn, args.calls)
         rows.append({"op": op, "impl": impl, "cpu_us": c, "gpu_us": gpu_time(fn) * 1e3})
+    if args.block:  # one training step of chapter 08's block: which side, CPU or GPU, sets its pace
+        ref, course, h, delta = T.make_pair(8, 1024, 768, 12, dtype)
+        grads = (torch.randn_like(h), torch.randn_like(h))
+        for impl, blk in (("eager PyTorch + SDPA", ref), ("course kernels", course)):
+            fn = T.step_fn(blk, h, delta, grads)
+            c = cpu_us(fn, 10)  # ~60 launches a step: 10 steps stay within the GPU's launch queue
+            rows.append({"op": "block fwd+bwd 8x1024x768", "impl": impl, "cpu_us": c, "gpu_us": gpu_time(fn, reps=3) * 1e3})
     floor = rows[0]["cpu_us"]
     for row in rows:
         row["x_floor"] = row["cpu_us"] / floor
