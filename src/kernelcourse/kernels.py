@@ -480,7 +480,8 @@ class TritonMatmul(torch.autograd.Function):
 
 
 def _rln_fake(x, r, weight, bias, eps=1e-5):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, torch.empty_like(y)
 
 
 def _mm_fake(a, b, activation=""):
