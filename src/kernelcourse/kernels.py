@@ -393,23 +393,26 @@ def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch
     return c
 
 
-# The operators. ``torch.library`` makes each lean launcher a PyTorch operator, ``torch.ops.kernelcourse.*``:
-# ``torch.compile`` then keeps it in its graph as one opaque call (with ``fullgraph=True``, no graph break),
-# computes its outputs' shapes from the fake (meta) function without running a kernel, and differentiates it
-# through the autograd registered on the operator.
-#
-# Why ``torch.library.Library`` (define + impl) and not ``torch.library.custom_op``: both register the same
-# kind of operator, but custom_op wraps its function in Python layers that cost several microseconds per call
-# (more with ``register_autograd``), as much as the launch we are trimming; ``Library.impl`` puts the launcher
-# straight behind PyTorch's dispatcher. Why an operator and not ``torch.library.wrap_triton`` (which lets
-# ``torch.compile`` see into a Triton launch): the launchers autotune and hold state in Python, which
-# ``wrap_triton`` cannot trace, and in Triton's interpreter (the CPU world) ``wrap_triton`` under fake tensors
-# fails with "Cannot access data pointer"; an operator with a fake function runs in both worlds.
-
 _lib = torch.library.Library("kernelcourse", "FRAGMENT")
 
 
 def _define(schema: str, launcher, fake) -> None:
+    """Make ``launcher`` the PyTorch operator ``kernelcourse::<name>`` of ``schema`` (in both worlds: tensors
+    on the CPU run in Triton's interpreter), with ``fake`` saying what its outputs look like.
+
+    As an operator, ``torch.compile`` keeps the launch in its graph as one opaque call (with
+    ``fullgraph=True``, no graph break), gets its outputs' shapes from ``fake`` without running a kernel, and
+    differentiates it through the autograd registered on the operator (``_register_autograd``).
+
+    Why ``torch.library.Library`` (``define`` + ``impl``) and not ``torch.library.custom_op``: both register
+    the same kind of operator, but ``custom_op`` wraps the function in Python layers that cost several
+    microseconds per call (more with its ``register_autograd``), as much as the launch the lean path trims;
+    ``Library.impl`` puts the launcher straight behind PyTorch's dispatcher. Why an operator and not
+    ``torch.library.wrap_triton`` (which lets ``torch.compile`` trace into a Triton launch): the launchers
+    autotune and keep state in Python, which ``wrap_triton`` cannot trace, and in Triton's interpreter (the
+    CPU world) a wrapped kernel under fake tensors fails with "Cannot access data pointer"; an operator with
+    a fake function compiles in both worlds.
+    """
     name = schema.split("(", 1)[0]
     if not hasattr(torch.ops.kernelcourse, name):  # defined already if this module is imported again
         _lib.define(schema)
