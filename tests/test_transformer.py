@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import kernelcourse as kc
 from kernelcourse import bench
 from kernelcourse import transformer as T
+from kernelcourse.world import low_precision_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,3 +140,18 @@ def test_recorded_traces_are_real_and_small(name):
                                           ("triton_poi_fused_add_0", "elementwise"), ("mystery", "other")])
 def test_kernel_family(name, family):
     assert T.kernel_family(name) == family
+
+
+def test_sixteen_bit_dtype_comes_from_the_world():
+    """No bfloat16 written into chapter 08's code: the T4 has none. Defaults ask world.low_precision_dtype()
+    (bfloat16 where the GPU has it, float16 before compute capability 8.0, float32 on the CPU)."""
+    import inspect
+
+    source = inspect.getsource(T)
+    assert "torch.bfloat16" not in source
+    for fn in (T.bench_block, T.bench_launch_cost, T.bench_layer_norm_backward, T.bench_matmuls, T.profile_step,
+               T.bench_gpt):
+        assert inspect.signature(fn).parameters["dtype"].default is None, fn.__name__
+    assert inspect.signature(T.train).parameters["compute_dtype"].default is None
+    if not kc.world().gpu:
+        assert low_precision_dtype() == torch.float32

@@ -13,6 +13,12 @@ Import it after ``kc.setup()``: Triton reads the interpreter switch when a kerne
 the launchers let ``triton.autotune`` pick ``num_warps`` (and, for the matmul, tile sizes and
 ``num_stages``) the first time each shape is seen; on the CPU they use fixed choices, because the
 interpreter has nothing to time.
+
+Chapter 09 adds, at the end, a lean launch path for the softmax, the residual LayerNorm and the matmul
+(``softmax_lean``, ``residual_layer_norm_lean``, ``matmul_lean``: the launch options looked up once per
+shape key instead of worked out on every call) and makes each a PyTorch operator,
+``torch.ops.kernelcourse.softmax``, ``.residual_layer_norm`` and ``.matmul``, that ``torch.compile`` keeps
+in its graph and autograd differentiates.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from .bench import gpu_time_for_autotune
 from .world import world
 
 __all__ = ["add", "softmax", "residual_layer_norm", "matmul", "grouped_tile", "softmax_num_warps",
+           "softmax_lean", "residual_layer_norm_lean", "matmul_lean", "SoftmaxFunction", "TritonMatmul",
            "add_kernel", "softmax_kernel", "softmax_rows_kernel", "residual_layer_norm_kernel", "matmul_kernel", "MATMUL_CONFIGS"]
 
 # ---- chapter 04 --------------------------------------------------------------------------------
@@ -297,3 +304,197 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str = "", config: dict 
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     matmul_kernel[grid](*args, ACTIVATION=activation, **cfg)
     return c
+
+
+# ---- lean launches and PyTorch operators (chapter 09) ---------------------------------------------
+#
+# The launchers above read top to bottom, and each call pays for it: ``triton.autotune``'s ``run`` rebuilds
+# the autotuning key from every argument, a grid lambda is made and called, the world is asked again. For a
+# kernel of a few microseconds that is most of the call. The lean paths below compute the same thing
+# (tests/test_ops_rows.py checks they agree bit for bit): the first call for a shape key runs the readable
+# launcher (on a GPU its autotuner picks the configuration), records the launch options it used in a dict,
+# and every later call is a dict lookup, the output's allocation and one ``kernel[grid](...)`` with the
+# grid as a tuple.
+
+_LAUNCH: dict = {}  # (launcher, shape key) -> launch options that the readable launcher used
+
+
+def _options_used(kernel, fixed: dict) -> dict:
+    """What the readable launcher just ran ``kernel`` with: the autotuner's pick on a GPU, ``fixed`` on the
+    CPU (the same fixed choices the launcher makes there)."""
+    if world().gpu:
+        return dict(_tuned[kernel].best_config.all_kwargs())
+    return fixed
+
+
+def softmax_lean(x: torch.Tensor) -> torch.Tensor:
+    """``softmax(x)`` through the lean path: the options found once per (row length, dtype)."""
+    assert x.stride(-1) == 1, "softmax wants rows with contiguous elements"
+    n_rows, n_cols = x.shape
+    key = ("softmax", n_cols, x.dtype)
+    opts = _LAUNCH.get(key)
+    if opts is None:  # first call for this key: the readable launcher tunes (on a GPU) and runs
+        y = softmax(x)
+        BLOCK = triton.next_power_of_2(n_cols)
+        if BLOCK <= SHORT_ROW:
+            ROWS = rows_per_program(BLOCK)
+            fixed = dict(ROWS=ROWS, num_warps=softmax_num_warps(ROWS * BLOCK))
+            _LAUNCH[key] = (softmax_rows_kernel, True, dict(BLOCK=BLOCK) | _options_used(softmax_rows_kernel, fixed))
+        else:
+            fixed = dict(num_warps=softmax_num_warps(BLOCK))
+            _LAUNCH[key] = (softmax_kernel, False, dict(BLOCK=BLOCK) | _options_used(softmax_kernel, fixed))
+        return y
+    kernel, several_rows, meta = opts
+    y = torch.empty_like(x)
+    if several_rows:
+        kernel[(triton.cdiv(n_rows, meta["ROWS"]),)](x, y, n_rows, n_cols, x.stride(0), y.stride(0), **meta)
+    else:
+        kernel[(n_rows,)](x, y, n_cols, x.stride(0), y.stride(0), **meta)
+    return y
+
+
+def residual_layer_norm_lean(x, r, weight, bias, eps: float = 1e-5, activation: str = ""):
+    """``residual_layer_norm(x, r, weight, bias, eps, activation, return_residual=True)`` through the lean
+    path: ``(y, x + r)``, the options found once per (row length, dtypes, activation)."""
+    assert x.shape == r.shape, (x.shape, r.shape)
+    n_rows, n_cols = x.shape
+    key = ("residual_layer_norm", n_cols, x.dtype, r.dtype, weight.dtype, bias.dtype, activation)
+    meta = _LAUNCH.get(key)
+    if meta is None:
+        y, h = residual_layer_norm(x, r, weight, bias, eps, activation, return_residual=True)
+        BLOCK = triton.next_power_of_2(n_cols)
+        _LAUNCH[key] = dict(BLOCK=BLOCK, ACTIVATION=activation, STORE_H=True) | _options_used(
+            residual_layer_norm_kernel, dict(num_warps=softmax_num_warps(BLOCK)))
+        return y, h
+    x, r = x.contiguous(), r.contiguous()
+    y = torch.empty_like(x)
+    h = torch.empty_like(x)
+    residual_layer_norm_kernel[(n_rows,)](x, r, weight, bias, y, h, n_cols, x.stride(0), eps, **meta)
+    return y, h
+
+
+def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch.Tensor:
+    """``matmul(a, b, activation)`` through the lean path: tiles found once per (M, N, K, dtype)."""
+    assert a.shape[1] == b.shape[0] and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    M, K = a.shape
+    N = b.shape[1]
+    key = ("matmul", M, N, K, a.dtype, b.dtype)
+    opts = _LAUNCH.get(key)
+    if opts is None:
+        c = matmul(a, b, activation)
+        cfg = (dict(_matmul_tuned.best_config.all_kwargs()) if world().gpu
+               else dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8))
+        _LAUNCH[key] = (cfg, (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),))
+        return c
+    cfg, grid = opts
+    c = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+                        ACTIVATION=activation, **cfg)
+    return c
+
+
+_lib = torch.library.Library("kernelcourse", "FRAGMENT")
+
+
+def _define(schema: str, launcher, fake) -> None:
+    """Make ``launcher`` the PyTorch operator ``kernelcourse::<name>`` of ``schema`` (in both worlds: tensors
+    on the CPU run in Triton's interpreter), with ``fake`` saying what its outputs look like.
+
+    As an operator, ``torch.compile`` keeps the launch in its graph as one opaque call (with
+    ``fullgraph=True``, no graph break), gets its outputs' shapes from ``fake`` without running a kernel, and
+    differentiates it through the autograd registered on the operator (``_register_autograd``).
+
+    Why ``torch.library.Library`` (``define`` + ``impl``) and not ``torch.library.custom_op``: both register
+    the same kind of operator, but ``custom_op`` wraps the function in Python layers that cost several
+    microseconds per call (more with its ``register_autograd``), as much as the launch the lean path trims;
+    ``Library.impl`` puts the launcher straight behind PyTorch's dispatcher. Why an operator and not
+    ``torch.library.wrap_triton`` (which lets ``torch.compile`` trace into a Triton launch): the launchers
+    autotune and keep state in Python, which ``wrap_triton`` cannot trace, and in Triton's interpreter (the
+    CPU world) a wrapped kernel under fake tensors fails with "Cannot access data pointer"; an operator with
+    a fake function compiles in both worlds.
+    """
+    name = schema.split("(", 1)[0]
+    if not hasattr(torch.ops.kernelcourse, name):  # defined already if this module is imported again
+        _lib.define(schema)
+    for key in ("CPU", "CUDA"):  # CPU: the interpreter's world; CUDA: a GPU
+        _lib.impl(name, launcher, key)
+    torch.library.register_fake(f"kernelcourse::{name}", fake, lib=_lib)
+
+
+def _below_autograd(op, *args):
+    """``op(*args)`` past the operator's autograd kernel, as PyTorch's own autograd kernels redispatch."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _register_autograd(name: str, function) -> None:
+    """Make ``function`` (an ``autograd.Function`` whose forward takes the operator's arguments) the autograd
+    of ``kernelcourse::name``; when no input needs a gradient, the call goes straight to the kernel."""
+    op = getattr(torch.ops.kernelcourse, name).default
+    defaults = tuple(a.default_value for a in op._schema.arguments)  # the dispatcher leaves them out
+
+    def autograd_kernel(*args):
+        args += defaults[len(args):]
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function.apply(*args)
+        return _below_autograd(op, *args)
+
+    _lib.impl(name, autograd_kernel, "Autograd")
+
+
+def _rows_fake(x):
+    return torch.empty_like(x)
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    """The autograd of ``kernelcourse::softmax``: ``dx = y * (dy - sum(dy * y))`` per row, in PyTorch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _below_autograd(torch.ops.kernelcourse.softmax.default, x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return y * (dy - (dy * y).sum(-1, keepdim=True))
+
+
+class TritonMatmul(torch.autograd.Function):
+    """``act(x @ w)`` with chapter 05's matmul (activation fused into its epilogue) in the forward,
+    cuBLAS in the backward. With GELU, the backward recomputes the pre-activation ``x @ w`` (one more
+    matmul) because the fused kernel never writes it to memory. The autograd of ``kernelcourse::matmul``."""
+
+    @staticmethod
+    def forward(ctx, x, w, activation):
+        ctx.save_for_backward(x, w)
+        ctx.activation = activation
+        return _below_autograd(torch.ops.kernelcourse.matmul.default, x, w, activation)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w = ctx.saved_tensors
+        if ctx.activation == "gelu":
+            dout = torch.ops.aten.gelu_backward(dout, x @ w)
+        elif ctx.activation:
+            raise NotImplementedError(ctx.activation)
+        return dout @ w.t(), x.t() @ dout, None
+
+
+def _rln_fake(x, r, weight, bias, eps=1e-5):
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, torch.empty_like(y)
+
+
+def _mm_fake(a, b, activation=""):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+_define("softmax(Tensor x) -> Tensor", softmax_lean, _rows_fake)
+_register_autograd("softmax", SoftmaxFunction)
+_define("residual_layer_norm(Tensor x, Tensor r, Tensor weight, Tensor bias, float eps=1e-05) -> (Tensor, Tensor)",
+        residual_layer_norm_lean, _rln_fake)
+# its autograd is chapter 08's backward: kernelcourse.transformer registers it (ResidualLayerNorm)
+_define("matmul(Tensor a, Tensor b, str activation='') -> Tensor", matmul_lean, _mm_fake)
+_register_autograd("matmul", TritonMatmul)

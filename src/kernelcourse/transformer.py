@@ -13,7 +13,11 @@
   pass of its own.
 - ``GPT``: a character-level GPT of such blocks; ``course_text`` is the text it trains on, the course's
   own prose.
-- Measurements the lesson records (``bench_*``, ``train_compare``, ``profile_step``) and helpers that
+- The operators (chapter 09): ``torch.ops.kernelcourse.layer_norm_backward`` (the lean path
+  ``layer_norm_backward_lean``) joins chapter 04-05's operators (``kernels``), and ``ResidualLayerNorm`` is
+  the autograd of ``torch.ops.kernelcourse.residual_layer_norm``; the course's block calls the operators,
+  so ``torch.compile(fullgraph=True)`` can take it whole.
+- Measurements the lessons record (``bench_*``, ``train_compare``, ``profile_step``) and helpers that
   read a profiler trace (``compact_trace``, ``kernel_family``, ``by_kernel``, ``by_family``, ``gpu_idle``,
   ``plot_timeline``).
 
@@ -37,15 +41,16 @@ import triton
 import triton.language as tl
 
 from . import kernels
-from .world import world
+from .world import low_precision_dtype, world
 
 __all__ = ["layer_norm_backward_kernel", "column_sum_kernel", "layer_norm_backward", "layer_norm_backward_ref",
-           "torch_layer_norm_backward",
+           "torch_layer_norm_backward", "layer_norm_backward_lean", "ops", "TritonMatmul", "bench_block", "bench_gpt",
            "ResidualLayerNorm", "residual_layer_norm", "Block", "GPT", "GPTConfig", "course_text", "CharCodec",
            "block_flops", "block_min_bytes", "bench_launch_cost", "compact_trace", "kernel_family", "by_kernel", "by_family", "gpu_idle",
            "plot_timeline"]
 
 DATA_DIR = Path(__file__).parent / "data"
+ops = torch.ops.kernelcourse  # the course's kernels as PyTorch operators (kernels.py, and below)
 
 # ---- LayerNorm backward ---------------------------------------------------------------------------
 
@@ -160,11 +165,14 @@ def torch_layer_norm_backward(h, weight, dy, eps: float = 1e-5):
 
 class ResidualLayerNorm(torch.autograd.Function):
     """``(y, h) = (layer_norm(x + r) * weight + bias, x + r)``: chapter 04's fused forward, this chapter's
-    backward. ``x`` and ``r`` are 2D; ``weight`` and ``bias`` may be float32 with ``x`` in 16 bits."""
+    backward. ``x`` and ``r`` are 2D; ``weight`` and ``bias`` may be float32 with ``x`` in 16 bits. It is
+    the autograd of the operator ``torch.ops.kernelcourse.residual_layer_norm``, whose kernels the forward
+    and the backward call as operators, so that ``torch.compile`` can trace both (chapter 09)."""
 
     @staticmethod
     def forward(ctx, x, r, weight, bias, eps):
-        y, h = kernels.residual_layer_norm(x, r, weight, bias, eps, return_residual=True)
+        # chapter 04's kernel: the operator, called past its autograd (which is this class)
+        y, h = kernels._below_autograd(ops.residual_layer_norm.default, x, r, weight, bias, eps)
         ctx.save_for_backward(h, weight)
         ctx.eps = eps
         return y, h
@@ -172,44 +180,69 @@ class ResidualLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         h, weight = ctx.saved_tensors
-        dx, dw, db = layer_norm_backward(h, weight, dy, ctx.eps, dres=dh)
-        return dx, dx, dw, db, None  # h = x + r: x and r get the same gradient
+        dx, dwdb = ops.layer_norm_backward(h, weight, dy, dh, ctx.eps)  # layer_norm_backward, as an operator
+        return dx, dx, dwdb[0], dwdb[1], None  # h = x + r: x and r get the same gradient
 
 
 def residual_layer_norm(x, r, weight, bias, eps: float = 1e-5):
     """Differentiable ``(layer_norm(x + r), x + r)`` for tensors of any shape (..., d) (chapter 08)."""
     shape = x.shape
-    y, h = ResidualLayerNorm.apply(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]), weight, bias, eps)
+    y, h = ops.residual_layer_norm(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]), weight, bias, eps)
     return y.view(shape), h.view(shape)
+
+
+# ---- the operators (chapter 09) -------------------------------------------------------------------
+# kernels.py explains why these are torch.library operators; here chapter 08's LayerNorm backward joins
+# them, and ResidualLayerNorm becomes the autograd of kernelcourse::residual_layer_norm.
+
+_LN_BACKWARD: dict = {}  # (rows, columns, device) -> (programs, launch options): found once
+
+
+def layer_norm_backward_lean(h, weight, dy, dres=None, eps: float = 1e-5):
+    """``layer_norm_backward(h, weight, dy, eps, dres)`` through a lean path: ``(dx, dwdb)`` with ``dwdb``
+    (2, d) = (dw, db). The number of programs, rows per program and warps are worked out once per shape
+    (no device query per call) and the two kernels launched with tuple grids; the kernels and the launch
+    options are the same as ``layer_norm_backward``'s, so the results agree bit for bit."""
+    assert h.ndim == 2 and dy.shape == h.shape, (h.shape, dy.shape)
+    n_rows, n_cols = h.shape
+    key = (n_rows, n_cols, h.get_device())
+    opts = _LN_BACKWARD.get(key)
+    if opts is None:
+        programs = _programs(n_rows)
+        rows_per_program = triton.cdiv(n_rows, programs)
+        programs = triton.cdiv(n_rows, rows_per_program)
+        BLOCK = triton.next_power_of_2(n_cols)
+        meta = dict(ROWS_PER_PROGRAM=rows_per_program, BLOCK=BLOCK, num_warps=max(1, min(16, BLOCK // 256)))
+        opts = _LN_BACKWARD[key] = (programs, meta, (triton.cdiv(2 * n_cols, 64),))
+    programs, meta, sum_grid = opts
+    h, dy = h.contiguous(), dy.contiguous()
+    dx = torch.empty_like(h)
+    part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
+    has_dres = dres is not None
+    layer_norm_backward_kernel[(programs,)](h, dy, dres.contiguous() if has_dres else dx, weight, dx, part, n_rows,
+                                            n_cols, h.stride(0), eps, HAS_DRES=has_dres, **meta)
+    dwdb = torch.empty((2, n_cols), device=h.device, dtype=weight.dtype)
+    column_sum_kernel[sum_grid](part, dwdb, programs, 2 * n_cols, 2 * n_cols, BLOCK_P=32, BLOCK_N=64)
+    return dx, dwdb
+
+
+def _ln_backward_fake(h, weight, dy, dres=None, eps=1e-5):
+    return torch.empty_like(h, memory_format=torch.contiguous_format), weight.new_empty((2, h.shape[1]))
+
+
+kernels._define("layer_norm_backward(Tensor h, Tensor weight, Tensor dy, Tensor? dres=None, float eps=1e-05) "
+                "-> (Tensor, Tensor)", layer_norm_backward_lean, _ln_backward_fake)
+kernels._register_autograd("residual_layer_norm", ResidualLayerNorm)
 
 
 # ---- matmuls --------------------------------------------------------------------------------------
 
-
-class TritonMatmul(torch.autograd.Function):
-    """``act(x @ w)`` with chapter 05's matmul (activation fused into its epilogue) in the forward,
-    cuBLAS in the backward. With GELU, the backward recomputes the pre-activation ``x @ w`` (one more
-    matmul) because the fused kernel never writes it to memory."""
-
-    @staticmethod
-    def forward(ctx, x, w, activation):
-        ctx.save_for_backward(x, w)
-        ctx.activation = activation
-        return kernels.matmul(x, w, activation=activation)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, w = ctx.saved_tensors
-        if ctx.activation == "gelu":
-            dout = torch.ops.aten.gelu_backward(dout, x @ w)
-        elif ctx.activation:
-            raise NotImplementedError(ctx.activation)
-        return dout @ w.t(), x.t() @ dout, None
+TritonMatmul = kernels.TritonMatmul  # the autograd of kernelcourse::matmul: Triton forward, cuBLAS backward
 
 
 def _mm(x2d, w, use_triton: bool, activation: str = ""):
     if use_triton:
-        return TritonMatmul.apply(x2d, w, activation)
+        return ops.matmul(x2d, w, activation)
     out = x2d @ w
     return F.gelu(out) if activation == "gelu" else out
 
@@ -268,9 +301,9 @@ class Block(nn.Module):
                                     .view(B * N, d), B, N, dt).view(B, N, d)
             m = self._mlp(F.layer_norm(x, (d,), self.ln2_w.to(dt), self.ln2_b.to(dt), self.eps).view(B * N, d), dt)
             return x, m.view(B, N, d)
-        y, x = ResidualLayerNorm.apply(h.reshape(B * N, d), delta.reshape(B * N, d), self.ln1_w, self.ln1_b, self.eps)
+        y, x = ops.residual_layer_norm(h.reshape(B * N, d), delta.reshape(B * N, d), self.ln1_w, self.ln1_b, self.eps)
         a = self._attention(y, B, N, dt)
-        y, x = ResidualLayerNorm.apply(x, a, self.ln2_w, self.ln2_b, self.eps)  # the residual add, fused
+        y, x = ops.residual_layer_norm(x, a, self.ln2_w, self.ln2_b, self.eps)  # the residual add, fused
         m = self._mlp(y, dt)
         return x.view(B, N, d), m.view(B, N, d)
 
@@ -391,7 +424,7 @@ def train(impl: str, *, steps: int, batch: int, seq_len: int, d_model: int, n_he
     text = course_text() if text is None else text
     codec = CharCodec(text)
     data = codec.encode(text)
-    compute_dtype = compute_dtype or (torch.bfloat16 if world().gpu else torch.float32)
+    compute_dtype = compute_dtype or low_precision_dtype()  # bf16, fp16 before compute capability 8.0, fp32 on the CPU
     torch.manual_seed(seed)
     model = GPT(len(codec), d_model, n_heads, n_layers, seq_len, impl, compute_dtype, triton_matmuls, device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -458,53 +491,110 @@ def cuda_graph(fn):
 # the course's graph before the compiled one: if capturing compiled code fails, the others are measured
 BLOCK_VARIANTS = ("eager PyTorch + SDPA", "torch.compile(eager)", "course kernels",
                   "eager PyTorch + SDPA, CUDA graph", "course kernels, CUDA graph", "torch.compile(eager), CUDA graph")
+# chapter 09: the course's block compiled whole (fullgraph=True), and both compiled blocks with
+# mode="reduce-overhead", where Inductor captures the compiled step in CUDA graphs itself
+COMPILE_VARIANTS = ("eager PyTorch + SDPA", "torch.compile(eager)", "course kernels", "torch.compile(course)",
+                    "torch.compile(eager), reduce-overhead", "torch.compile(course), reduce-overhead")
 
 
-def bench_block(B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, triton_matmuls=(), variants=BLOCK_VARIANTS) -> list[dict]:
+def _compiled_blocks(ref, course, variants) -> dict:
+    """The blocks ``variants`` name: eager, the course's, and ``torch.compile`` of either (the course's with
+    ``fullgraph=True``: its kernels are operators, so a graph break is a bug), with or without
+    ``mode="reduce-overhead"``."""
+    blocks = {"eager PyTorch + SDPA": ref, "course kernels": course}
+    for name in variants:
+        key = name.removesuffix(", CUDA graph")  # a CUDA graph of a variant captures that variant's block
+        if key in blocks:
+            continue
+        mode = "reduce-overhead" if key.endswith(", reduce-overhead") else None
+        if key.startswith("torch.compile(eager)"):
+            blocks[key] = torch.compile(ref, mode=mode)
+        elif key.startswith("torch.compile(course)"):
+            blocks[key] = torch.compile(course, mode=mode, fullgraph=True)
+    return blocks
+
+
+def _spread(values) -> dict:
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def bench_block(B=8, N=1024, d=768, H=12, dtype=None, triton_matmuls=(), variants=BLOCK_VARIANTS,
+                rounds: int = 1) -> list[dict]:
     """Forward + backward of one block at (B, N, d, H): time, TFLOP/s and peak memory of eager PyTorch with
     SDPA, ``torch.compile`` of it and the course's block, each launched from Python and replayed as a
-    CUDA graph. A variant that cannot be captured gets a row with its error instead of a time."""
+    CUDA graph (``variants``; ``COMPILE_VARIANTS`` adds the course's block compiled whole and both compiled
+    blocks with ``mode="reduce-overhead"``). With ``rounds`` > 1 every variant is timed once per round, in
+    turn, and ``ms`` is the median, ``ms_min`` and ``ms_max`` the spread. A variant that cannot be compiled
+    or captured gets a row with its error instead of a time. ``dtype``: ``world.low_precision_dtype()``."""
     from .bench import do_bench
 
+    dtype = dtype or low_precision_dtype()
     ref, course, h, delta = make_pair(B, N, d, H, dtype, triton_matmuls)
     grads = (torch.randn_like(h), torch.randn_like(h))
-    blocks = {"eager PyTorch + SDPA": ref, "course kernels": course}
-    if any(v.startswith("torch.compile") for v in variants):
-        blocks["torch.compile(eager)"] = torch.compile(ref)
-    rows, fl = [], block_train_flops(B, N, d)
+    blocks = _compiled_blocks(ref, course, variants)
+    rows, fns, fl = [], {}, block_train_flops(B, N, d)
     for name in variants:
         base_name, graphed = name.removesuffix(", CUDA graph"), name.endswith(", CUDA graph")
         fn = step_fn(blocks[base_name], h, delta, grads)
-        row = {"variant": name, "triton_matmuls": ",".join(triton_matmuls) if base_name == "course kernels" else ""}
+        row = {"variant": name, "triton_matmuls": ",".join(triton_matmuls) if "course" in base_name else ""}
         try:
             if graphed:
                 fn = cuda_graph(fn)
-            fn()
+            for _ in range(3):  # compile, tune, and let reduce-overhead record its graphs
+                fn()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             fn()
             torch.cuda.synchronize()
             # a graph's memory is allocated once, at capture: its replays allocate nothing
-            peak = float("nan") if graphed else torch.cuda.max_memory_allocated() - base
-            ms = do_bench(fn)
-            row |= {"ms": ms, "tflops": fl / (ms * 1e-3) / 1e12, "peak_mib": peak / 2**20, "error": ""}
+            peak = float("nan") if graphed or "reduce-overhead" in name else torch.cuda.max_memory_allocated() - base
+            row |= {"peak_mib": peak / 2**20, "error": ""}
+            fns[name] = fn
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
             torch.cuda.synchronize()
-            row |= {"ms": float("nan"), "tflops": float("nan"), "peak_mib": float("nan"),
+            row |= {"ms": float("nan"), "ms_min": float("nan"), "ms_max": float("nan"), "tflops": float("nan"),
+                    "peak_mib": float("nan"),
                     "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
         rows.append(row)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):  # in turn, so that every variant meets the GPU's clocks at every point of their drift
+        for name, fn in fns.items():
+            times[name].append(do_bench(fn))
+    for row in rows:
+        if row["variant"] in times:
+            t = _spread(times[row["variant"]])
+            row |= {"ms": t["median"], "ms_min": t["min"], "ms_max": t["max"], "tflops": fl / (t["median"] * 1e-3) / 1e12}
     return rows
 
 
-def bench_launch_cost(B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, calls: int = 200) -> list[dict]:
-    """What one call costs the CPU and what it costs the GPU, for the block's pieces at (B, N, d, H): the
-    CPU's microseconds per call (``calls`` calls issued back to back, no waiting for the GPU) against the
-    GPU's (the same call replayed in a CUDA graph, ``triton.testing.do_bench_cudagraph``)."""
+def _cpu_gpu_us(fn, calls: int) -> tuple[float, float]:
+    """CPU microseconds per call (``calls`` back to back, no waiting for the GPU, after a warm-up) and GPU
+    microseconds per call (replayed in a CUDA graph, ``triton.testing.do_bench_cudagraph``)."""
     from triton.testing import do_bench_cudagraph
 
+    for _ in range(5):  # compile, tune, warm the caches
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cpu_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return cpu_us, do_bench_cudagraph(fn) * 1e3
+
+
+def bench_launch_cost(B=8, N=1024, d=768, H=12, dtype=None, calls: int = 200, lean: bool = False) -> list[dict]:
+    """What one call costs the CPU and what it costs the GPU, for the block's pieces at (B, N, d, H): the
+    CPU's microseconds per call (``calls`` calls issued back to back, no waiting for the GPU) against the
+    GPU's (the same call replayed in a CUDA graph, ``triton.testing.do_bench_cudagraph``). With ``lean``,
+    the LayerNorm's rows also time the lean launch paths and the ``torch.ops.kernelcourse`` operators
+    (chapter 09). ``dtype``: ``world.low_precision_dtype()``."""
     from .attention import flash_attention
 
+    dtype = dtype or low_precision_dtype()
     dev = world().device
     x, r = (torch.randn(B * N, d, device=dev, dtype=dtype) for _ in range(2))
     w, b = torch.rand(d, device=dev) + 0.5, torch.randn(d, device=dev)
@@ -518,26 +608,83 @@ def bench_launch_cost(B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, calls: int
         ("attention forward", "PyTorch SDPA", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         ("attention forward", "course (Triton)", lambda: flash_attention(q, k, v, causal=True)),
     ]
+    if lean:
+        cases[2:2] = [("residual add + LayerNorm", "course, lean launch", lambda: kernels.residual_layer_norm_lean(x, r, w, b)),
+                      ("residual add + LayerNorm", "course, operator", lambda: ops.residual_layer_norm(x, r, w, b))]
+        cases[6:6] = [("LayerNorm backward", "course, lean launch", lambda: layer_norm_backward_lean(x, w, r)),
+                      ("LayerNorm backward", "course, operator", lambda: ops.layer_norm_backward(x, w, r))]
     rows = []
     for op, impl, fn in cases:
-        for _ in range(5):  # compile, tune, warm the caches
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        cpu_us = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-        gpu_us = do_bench_cudagraph(fn) * 1e3
+        cpu_us, gpu_us = _cpu_gpu_us(fn, calls)
         rows.append({"op": op, "impl": impl, "cpu_us": cpu_us, "gpu_us": gpu_us})
     return rows
 
 
-def bench_layer_norm_backward(shapes=((8192, 768), (8192, 1024), (16384, 2048)), dtype=torch.bfloat16) -> list[dict]:
+GPT_VARIANTS = ("eager PyTorch + SDPA", "course kernels", "torch.compile(eager)", "torch.compile(course)")
+
+
+def bench_gpt(rounds: int = 5, steps: int = 20, warmup: int = 5, batch=32, seq_len=256, d_model=384, n_heads=6,
+              n_layers=4, triton_matmuls=(), variants=GPT_VARIANTS, dtype=None) -> list[dict]:
+    """Training throughput of the tiny GPT (``train_compare``'s shape): tokens per second of ``steps`` AdamW
+    steps with no wait for the GPU between them, for each variant in turn, ``rounds`` times; one row per
+    variant with the median, min and max over the rounds and the median's ratio to eager PyTorch. The
+    compiled course GPT uses ``fullgraph=True``. A variant that fails gets a row with its error."""
+    dtype = dtype or low_precision_dtype()
+    dev = world().device
+    text = course_text()
+    codec = CharCodec(text)
+    stream = batches(codec.encode(text), batch, seq_len, 0, dev)
+    data = [next(stream) for _ in range(8)]  # a few batches, reused: no input pipeline in the timing
+    runs, rows = {}, []
+    for name in variants:
+        impl = "course" if "course" in name else "torch"
+        torch.manual_seed(0)
+        model = GPT(len(codec), d_model, n_heads, n_layers, seq_len, impl, dtype,
+                    triton_matmuls if impl == "course" else (), device=dev)
+        fwd = torch.compile(model, fullgraph=impl == "course") if name.startswith("torch.compile") else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+        def train_steps(n, fwd=fwd, opt=opt, model=model):
+            for i in range(n):
+                x, y = data[i % len(data)]
+                loss = fwd(x, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            torch.cuda.synchronize()
+
+        row = {"variant": name, "error": ""}
+        try:
+            train_steps(warmup)
+            runs[name] = train_steps
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+            torch.cuda.synchronize()
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        rows.append(row)
+    rates = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, train_steps in runs.items():
+            t0 = time.perf_counter()
+            train_steps(steps)
+            rates[name].append(steps * batch * seq_len / (time.perf_counter() - t0))
+    for row in rows:
+        if row["variant"] in rates:
+            t = _spread(rates[row["variant"]])
+            row |= {"tokens_per_s": t["median"], "tokens_per_s_min": t["min"], "tokens_per_s_max": t["max"]}
+        else:
+            row |= {"tokens_per_s": float("nan"), "tokens_per_s_min": float("nan"), "tokens_per_s_max": float("nan")}
+    eager = next((r["tokens_per_s"] for r in rows if r["variant"] == "eager PyTorch + SDPA"), float("nan"))
+    for row in rows:
+        row["vs_eager"] = row["tokens_per_s"] / eager
+    return rows
+
+
+def bench_layer_norm_backward(shapes=((8192, 768), (8192, 1024), (16384, 2048)), dtype=None) -> list[dict]:
     """LayerNorm backward (dx, dw, db) with this chapter's kernels and with PyTorch's: ``ms`` per call from
     Python (``do_bench``), ``gpu_ms`` of the kernels alone (``gpu_time``), GB/s at least moved in that time."""
     from .bench import do_bench, gbps, gpu_time
 
+    dtype = dtype or low_precision_dtype()
     rows, dev = [], world().device
     for n_rows, n_cols in shapes:
         h = torch.randn(n_rows, n_cols, device=dev, dtype=dtype)
@@ -555,10 +702,11 @@ def bench_layer_norm_backward(shapes=((8192, 768), (8192, 1024), (16384, 2048)),
     return rows
 
 
-def bench_matmuls(M=8192, d=768, dtype=torch.bfloat16) -> list[dict]:
+def bench_matmuls(M=8192, d=768, dtype=None) -> list[dict]:
     """Each projection of the block at M = B·N rows: chapter 05's Triton matmul against cuBLAS (forward)."""
     from .bench import do_bench
 
+    dtype = dtype or low_precision_dtype()
     dev, rows = world().device, []
     for name, (K, N, act) in {"qkv": (d, 3 * d, ""), "proj": (d, d, ""), "fc+gelu": (d, 4 * d, "gelu"),
                               "out": (4 * d, d, "")}.items():
@@ -605,11 +753,12 @@ def compact_trace(trace: dict | str | Path) -> list[dict]:
     return sorted(rows, key=lambda r: r["ts"])
 
 
-def profile_step(impl: str, B=8, N=1024, d=768, H=12, dtype=torch.bfloat16, triton_matmuls=(), steps=2) -> list[dict]:
+def profile_step(impl: str, B=8, N=1024, d=768, H=12, dtype=None, triton_matmuls=(), steps=2) -> list[dict]:
     """Profile ``steps`` forward + backward steps of one block (after a warm-up), with NVTX ranges and
     ``record_function`` labels around its parts; returns the compact trace."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    dtype = dtype or low_precision_dtype()
     ref, course, h, delta = make_pair(B, N, d, H, dtype, triton_matmuls)
     blk = course if impl == "course" else (torch.compile(ref) if impl == "compiled" else ref)
     grads = (torch.randn_like(h), torch.randn_like(h))
