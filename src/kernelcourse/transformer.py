@@ -26,11 +26,8 @@ Import it after ``kc.setup()``.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import kernels
+from . import bench, kernels
 from .world import low_precision_dtype, world
 
 __all__ = ["layer_norm_backward_kernel", "column_sum_kernel", "layer_norm_backward", "layer_norm_backward_ref",
@@ -721,67 +718,30 @@ def bench_matmuls(M=8192, d=768, dtype=None) -> list[dict]:
     return rows
 
 
-def train_compare(steps=300, batch=32, seq_len=256, d_model=384, n_heads=6, n_layers=4, lr=2e-3,
-                  triton_matmuls=()) -> list[dict]:
-    """The same GPT, seed and data trained with each block; a second PyTorch run with another seed shows
-    the run-to-run noise. One row per run: its losses and tokens per second."""
-    kw = dict(steps=steps, batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads, n_layers=n_layers, lr=lr)
-    runs = [("torch", 0), ("course", 0), ("torch", 1)]
-    rows = []
-    for impl, seed in runs:
-        r = train(impl, seed=seed, data_seed=seed,
-                  triton_matmuls=triton_matmuls if impl == "course" else (), **kw)
-        rows.append({"impl": impl, "seed": seed, "losses": r["losses"], "tokens_per_s": r["tokens_per_s"]})
-    return rows
-
-
 # ---- profiling ------------------------------------------------------------------------------------
 
-KEEP = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "user_annotation", "gpu_user_annotation"}
-
-
-def compact_trace(trace: dict | str | Path) -> list[dict]:
-    """The events of a Chrome trace (``prof.export_chrome_trace``) that say where time went: kernels,
-    copies, runtime calls (launches) and annotations, as rows ``{cat, name, ts, dur}`` with times in
-    microseconds from the first kept event."""
-    if not isinstance(trace, dict):
-        trace = json.loads(Path(trace).read_text())
-    evs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in KEEP]
-    t0 = min(float(e["ts"]) for e in evs)
-    rows = [{"cat": e["cat"], "name": e["name"], "ts": round(float(e["ts"]) - t0, 3), "dur": round(float(e["dur"]), 3)}
-            for e in evs]
-    return sorted(rows, key=lambda r: r["ts"])
+compact_trace = bench.compact_trace  # one implementation of the trace format, in kc.bench
 
 
 def profile_step(impl: str, B=8, N=1024, d=768, H=12, dtype=None, triton_matmuls=(), steps=2) -> list[dict]:
-    """Profile ``steps`` forward + backward steps of one block (after a warm-up), with NVTX ranges and
-    ``record_function`` labels around its parts; returns the compact trace."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    """Profile ``steps`` forward + backward steps of one block with ``kc.bench.profile`` (after the compile
+    and tuning calls, on its wait/warm-up/active schedule), with ``record_function`` labels around the
+    forward and the backward; returns the compact trace."""
+    from torch.profiler import record_function
 
     dtype = dtype or low_precision_dtype()
     ref, course, h, delta = make_pair(B, N, d, H, dtype, triton_matmuls)
     blk = course if impl == "course" else (torch.compile(ref) if impl == "compiled" else ref)
     grads = (torch.randn_like(h), torch.randn_like(h))
-    fn = step_fn(blk, h, delta, grads)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            with record_function("step"):
-                torch.cuda.nvtx.range_push("forward")
-                with record_function("forward"):
-                    x, m = blk(h, delta)
-                torch.cuda.nvtx.range_pop()
-                torch.cuda.nvtx.range_push("backward")
-                with record_function("backward"):
-                    torch.autograd.backward((x, m), grads)
-                torch.cuda.nvtx.range_pop()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        return compact_trace(path)
+    step_fn(blk, h, delta, grads)()  # compiles and tunes outside the profiler
+
+    def step():
+        with record_function("forward"):
+            x, m = blk(h, delta)
+        with record_function("backward"):
+            torch.autograd.backward((x, m), grads)
+
+    return bench.profile(step, active=steps)["events"]
 
 
 FAMILIES = [  # (family, pattern): the first that matches a kernel's name wins
@@ -833,20 +793,12 @@ def by_family(events) -> list[dict]:
 
 def gpu_idle(events) -> dict:
     """From the first kernel's start to the last one's end: how long the GPU ran kernels and how long it
-    sat idle between them (launch gaps), in µs. Overlapping kernels count once."""
-    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in _gpu(events))
-    busy, end = 0.0, -math.inf
-    for s, t in iv:
-        if t > end:
-            busy += t - max(s, end)
-            end = t
-    span = iv[-1][1] - iv[0][0] if iv else 0.0
-    launches = [e for e in events if e["cat"] == "cuda_runtime" and "Launch" in e["name"]]
-    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "idle_share": (span - busy) / span if span else 0.0,
-            "kernels": len(iv), "launches": len(launches)}
+    sat idle between them (launch gaps), in µs, and the launches of every launch API (``kc.bench.trace_stats``)."""
+    return bench.trace_stats(events)
 
 
-def roofline_points(events, B=8, N=1024, d=768, steps: int = 2, itemsize: int = 2, causal: bool = True):
+def roofline_points(events, B=8, N=1024, d=768, steps: int = 2, itemsize: int = 2, causal: bool = True,
+                    dtype: str = "bf16"):
     """The block's kernel families on the roofline: per training step (forward + backward), the FLOPs
     and the least bytes of each family (napkin counts, below), with its GPU time from the trace.
 
@@ -856,6 +808,8 @@ def roofline_points(events, B=8, N=1024, d=768, steps: int = 2, itemsize: int = 
       bytes: the forward reads q, k, v and writes o, the backward reads q, k, v, o, dO, writes dq, dk, dv;
     - layer norm (two per block): the forward reads x and r and writes y and h, the backward reads h, dy
       and the residual's gradient and writes dx; about 8 FLOPs per element forward, 12 backward.
+
+    ``dtype`` names the roofline's compute ceiling: "bf16", or "fp16" where the block ran in float16.
     """
     from .roofline import Point
 
@@ -868,7 +822,7 @@ def roofline_points(events, B=8, N=1024, d=768, steps: int = 2, itemsize: int = 
     counts = {"matmul": (mm_flops, mm_bytes),
               "attention": (3.5 * attn_fwd, 12 * M * d * itemsize),
               "layer norm": (2 * 20 * M * d, 2 * 8 * M * d * itemsize)}
-    return [Point(f"{name} (fwd+bwd)", fl, nb, fam[name] / steps / 1e3, dtype="bf16")
+    return [Point(f"{name} (fwd+bwd)", fl, nb, fam[name] / steps / 1e3, dtype=dtype)
             for name, (fl, nb) in counts.items() if fam.get(name)]
 
 
@@ -885,7 +839,7 @@ def plot_timeline(events, ax=None, title: str = ""):
         spans = [(e["ts"] / 1e3, e["dur"] / 1e3) for e in _gpu(events) if kernel_family(e["name"]) == f]
         if spans:
             ax.broken_barh(spans, (1, 0.8), color=colors[i % len(colors)], label=f)
-    spans = [(e["ts"] / 1e3, max(e["dur"], 0.5) / 1e3) for e in events if e["cat"] == "cuda_runtime"]
+    spans = [(e["ts"] / 1e3, max(e["dur"], 0.5) / 1e3) for e in events if e["cat"] in ("cuda_runtime", "cuda_driver")]
     ax.broken_barh(spans, (0, 0.8), color="0.5")
     for e in events:
         if e["cat"] == "user_annotation" and e["name"] in ("forward", "backward"):
@@ -893,7 +847,7 @@ def plot_timeline(events, ax=None, title: str = ""):
             ax.annotate(e["name"], (e["ts"] / 1e3, 2.25), fontsize=8, va="center", xytext=(3, 0),
                         textcoords="offset points")
     ax.set_ylim(-0.2, 3.3)
-    ax.set_yticks([0.4, 1.4, 2.25], ["CPU: runtime calls", "GPU: kernels", "CPU: ranges"])
+    ax.set_yticks([0.4, 1.4, 2.25], ["CPU: CUDA calls", "GPU: kernels", "CPU: ranges"])
     ax.set_xlabel("time (ms)")
     ax.set_title(title, fontsize=10)
     ax.legend(loc="upper right", fontsize=7, ncol=len(fams), frameon=False, handlelength=1, columnspacing=1)
