@@ -197,7 +197,7 @@ def test_unknown_learner_exception_is_one_line():
     assert line.startswith("KeyError") and "\n" not in line
 
 
-@pytest.mark.skipif(not grading._can_isolate(),
+@pytest.mark.skipif(not grading.can_isolate(),
                     reason="graders run in this process on a GPU (CUDA does not survive fork): a crash would end it")
 def test_a_crash_in_learner_code_fails_only_that_exercise():
     import ctypes

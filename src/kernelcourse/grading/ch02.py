@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import Report, Stop, as_number, call, exercise, fresh_rng
+from .harness import Report, Stop, as_number, call, exercise, fresh_rng
 
 RTOL = 1e-4
 

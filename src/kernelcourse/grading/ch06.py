@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, as_tuple, call, compare, exercise, guarded, tolerance_of
+from .harness import POISON, Report, as_tuple, call, compare, exercise, guarded, tolerance_of
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
 _np = to_numpy
@@ -865,7 +865,7 @@ def grade_causal_speed(report: Report, causal_attention_kernel):
     import torch
 
     from ..attention import flash_attention_v1_kernel
-    from . import speed_vs_peer
+    from .harness import speed_vs_peer
 
     if (msg := not_a_kernel(causal_attention_kernel, "causal_attention_kernel")):
         return report.fail(msg)

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, as_tuple, compare, exercise, guarded, speed_vs_peer
+from .harness import POISON, Report, as_tuple, compare, exercise, guarded, speed_vs_peer
 from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
 
 LOG2E = 1.4426950408889634
@@ -402,7 +402,7 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
             if gpu:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a learner's kernel may fail to compile in any way
-            from . import explain
+            from .harness import explain
             return report.fail(f"{what}: {explain(exc)}")
         # the truth: the gradients of the exact attention given the (rounded) q, k, v, do, o, lse, D
         dk_t, dv_t = [], []
