@@ -15,34 +15,21 @@ import math
 import numpy as np
 
 from ..world import world
-from .harness import POISON, Report, as_tuple, call, compare, exercise, guarded, tolerance_of
+from .harness import (HALF_POISON, LN2, LOG2E, NAN, POISON, Report, as_tuple, call, compare, compare_returned,
+                      exact_f32, exercise, guarded, tolerance_of)
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
 _np = to_numpy
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-NAN = float("nan")
-HALF_POISON = -32768.0  # the poison of float16 and bfloat16 outputs: exact in both, and no attention output
 
 
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _check(report: Report, got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool, str]:
+def _check(got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool, str]:
     """compare() with a float32 floor of ``floor`` rounding steps of the largest value: an online
     algorithm rounds at every rescale, so it may differ from PyTorch's direct computation by more
     than PyTorch's own error, but by nothing like a mistake."""
-    got = _np(got)
-    if got.dtype == object or not np.issubdtype(got.dtype, np.number):
-        return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
-    if not np.issubdtype(got.dtype, np.floating):
-        got = got.astype(np.float64)
-    return compare(got, truth, reference, what=what, rtol_floor=floor * float(np.finfo(np.float32).eps))
-
-
-def _fail(report: Report, line: str, hint: str | None) -> None:
-    report.fail(f"{line}: {hint}" if hint else line)
+    return compare_returned(got, truth, reference, what, floor * float(np.finfo(np.float32).eps))
 
 
 def attention64(q, k, v, scale, causal=False, keep=None, fill=-np.inf):
@@ -183,22 +170,17 @@ def grade_combine(report: Report, combine_splits):
             ref_o = _np((wts[..., None] * o32).sum(dim=0)).astype(np.float64)
             ref_lse = _np(torch.logsumexp(l32, dim=0)).astype(np.float64)
             mistakes, _ = _combine_mistakes(exact_f32(outs), exact_f32(lses))
-            ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}")
+            ok, line = _check(got[1], truth_lse, ref_lse, what=f"lse, {what}")
             if not ok:
-                return _fail(report, line, diagnose(got[1], [(h, l) for h, _, l in mistakes], truth=truth_lse))
-            ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}")
+                return report.fail(line, diagnose(got[1], [(h, l) for h, _, l in mistakes], truth=truth_lse))
+            ok, line = _check(got[0], truth_o, ref_o, what=f"output, {what}")
             if not ok:
                 hint = diagnose(got[0], [(h, o) for h, o, _ in mistakes], truth=truth_o)
                 if hint is None and "NaN or Inf" in line:
                     hint = ("an empty split (lse = -inf) must get weight exp(-inf - m) = 0; if every exponent is "
                             "huge, subtract the largest lse first")
-                return _fail(report, line, hint)
+                return report.fail(line, hint)
             report.ok(f"{what}: output and lse match")
-
-
-def exact_f32(x):
-    """Values rounded to float32 and back: what the learner's function was given."""
-    return np.asarray(x, dtype=np.float32).astype(np.float64)
 
 
 # ---- 06.2 one-pass softmax statistics ------------------------------------------------------------
@@ -301,11 +283,11 @@ def grade_online_stats(report: Report, online_softmax_stats):
                          and (math.isclose(l_got, l, rel_tol=1e-4) or (math.isinf(l) and math.isinf(l_got))
                               or (l == 0 and l_got == 0))), None)
             if not math.isclose(m_got, m_true, rel_tol=0, abs_tol=1e-4 * max(1.0, abs(m_true))):
-                return _fail(report, f"{what}: m = {m_got:.6g}, expected the row's max {m_true:.6g}",
+                return report.fail(f"{what}: m = {m_got:.6g}, expected the row's max {m_true:.6g}",
                              hint or "m is the largest value seen: m = max(m, block.max()) after each block")
             tol = tolerance_of(l_true, l_ref, 64 * float(np.finfo(np.float32).eps))
             if not (math.isfinite(l_got) and abs(l_got - l_true) <= tol):
-                return _fail(report, f"{what}: l = {l_got:.6g}, expected {l_true:.6g}",
+                return report.fail(f"{what}: l = {l_got:.6g}, expected {l_true:.6g}",
                              hint or "l = Σ exp(x - m) over the whole row, with the running sum rescaled "
                                      "whenever m grows")
             report.ok(f"{what}: m = {m_true:.6g}, l = {l_true:.6g}")
@@ -414,7 +396,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                                 (bugs[-1][0], _causal_from_zero(q, k, v, scale)))
             else:
                 mistakes = [(h, tiled64(q, k, v, scale, bn, bug)) for h, bug in bugs]
-            ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
+            ok, line = _check(got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
             if not ok:
                 hint = diagnose(got[0], [(h, o) for h, (o, _) in mistakes], truth=truth_o)
                 if hint is None and "NaN or Inf" in line:
@@ -422,8 +404,8 @@ def grade_tiled_attention(report: Report, tiled_attention):
                             "and start m at -inf, not 0")
                 elif hint is None and reproduces(got[0], attention64(q, k, v, 1.0)[0], truth_o) is not None:
                     hint = "scale the scores by 1/sqrt(d) before the softmax"
-                return _fail(report, line, hint)
-            ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}", floor=256)
+                return report.fail(line, hint)
+            ok, line = _check(got[1], truth_lse, ref_lse, what=f"lse, {what}", floor=256)
             if not ok:
                 scores = q @ k.T * scale
                 m = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf).max(axis=1) if causal \
@@ -432,7 +414,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                                 ("lse = m + log(l): add the final running max back", truth_lse - m),
                                 ("lse = m + log(l), not m + l", m + np.exp(truth_lse - m)),
                                 ("lse = m + log(l), not the max alone", m)]
-                return _fail(report, line, diagnose(got[1], lse_mistakes, truth=truth_lse))
+                return report.fail(line, diagnose(got[1], lse_mistakes, truth=truth_lse))
             allowed = max(n_q * bn, n_q * d, n_k * d, n_k)
             if n_q * n_k > allowed and numel >= n_q * n_k:
                 return report.fail(f"{what}: a tensor of shape {shape} was made: that is the whole score matrix "
@@ -526,7 +508,7 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         elif hint is None and bad.any():
             hint = ("subtract the running max before exp2, p = exp2(s - m_new[:, None]) with m_new = "
                     "max(m_i, max of the tile's scores): scores in the hundreds overflow")
-        return _fail(report, line, hint)
+        return report.fail(line, hint)
 
 
 # ---- 06.5 the causal mask, tile by tile ----------------------------------------------------------
@@ -606,7 +588,7 @@ def grade_causal(report: Report, causal_tile, key_range):
             if all(str(guarded(report, "", causal_tile, *c)) == fn(*c) for c in cases[:40]):
                 hint = h
                 break
-        return _fail(report, f"{asked} returned {got!r}, expected {want!r} (queries {q0}..{q0 + bm - 1}, keys "
+        return report.fail(f"{asked} returned {got!r}, expected {want!r} (queries {q0}..{q0 + bm - 1}, keys "
                              f"{k0}..{k0 + bn - 1})", hint or "query i sees key j when j <= i: compare the tile's "
                                                                 "first and last key with its first and last query")
     report.ok(f"causal_tile: all {len(cases)} tiles classified (full, masked, skipped)")
@@ -649,7 +631,7 @@ def grade_causal(report: Report, causal_tile, key_range):
         if hint is None and n_full % bn:
             hint = "n_full is where the masked tiles start: a multiple of block_n"
         q0 = start_m * bm
-        return _fail(report, f"{asked} returned ({n_full}, {n_end}), expected {want} (queries {q0}..{q0 + bm - 1})",
+        return report.fail(f"{asked} returned ({n_full}, {n_end}), expected {want} (queries {q0}..{q0 + bm - 1})",
                      hint or "n_full: the end of the whole tiles whose last key is <= q0; "
                              "n_end: min(q0 + block_m, n_k)")
     report.ok(f"key_range: all {len(cases)} query tiles get the right unmasked, masked and skipped tiles")
@@ -689,7 +671,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
             return report.fail("lse_from_state returned None: did you forget `return`?")
         tm, tl_ = torch.tensor(m2, dtype=torch.float32), torch.tensor(l2, dtype=torch.float32)
         ref = _np(tm * LN2 + torch.log(tl_)).astype(np.float64)
-        ok, line = _check(report, got, truth, ref, what=f"lse_from_state, {what}", floor=8)
+        ok, line = _check(got, truth, ref, what=f"lse_from_state, {what}", floor=8)
         if not ok:
             mistakes = [("the state is in base 2: lse = (m2 + log2(l2)) · ln 2; you returned m2 + log2(l2), "
                          "the base-2 log-sum-exp", m2 + np.log2(l2)),
@@ -700,7 +682,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                         ("divide by log2(e), or multiply by ln 2: lse = (m2 + log2 l2) · ln 2, not · log2(e)",
                          (m2 + np.log2(l2)) * LOG2E),
                         ("take the log of l2: lse = (m2 + log2(l2)) · ln 2", (m2 + l2) * LN2)]
-            return _fail(report, line, diagnose(got, mistakes, truth=truth))
+            return report.fail(line, diagnose(got, mistakes, truth=truth))
         report.ok(line)
 
     # probs_from_lse: recompute one tile of P from q, k and the saved lse, as the backward pass does
@@ -720,7 +702,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         if got is None:
             return report.fail(f"{what}: returned None: did you forget `return`?")
         ref = _np(torch.exp(tq @ tk.T * scale - torch.tensor(lse32, dtype=torch.float32)[:, None])).astype(np.float64)
-        ok, line = _check(report, got, truth, ref, what=what)
+        ok, line = _check(got, truth, ref, what=what)
         if not ok:
             mistakes = [("scale the scores first: P = exp(q kᵀ · sm_scale - lse)", np.exp(q @ k.T - lse32[:, None])),
                         ("lse is a natural log: P = exp(s - lse), not exp2", np.exp2(s - lse32[:, None])),
@@ -732,7 +714,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                              axis=1, keepdims=True)),
                         ("P = exp(s - lse): no further normalisation, no max (lse already holds both)",
                          np.exp(s - s.max(axis=1, keepdims=True)))]
-            return _fail(report, line, diagnose(got, mistakes, truth=truth))
+            return report.fail(line, diagnose(got, mistakes, truth=truth))
         report.ok(line)
 
 
@@ -820,7 +802,7 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
     elif hint is None and not np.isfinite(got).all():
         hint = ("a row whose scores are all -inf gives NaN: every query sees key 0, so the first tile must always "
                 "be computed, and masked scores are -inf only where j > i")
-    _fail(report, line, hint)
+    report.fail(line, hint)
     return False
 
 

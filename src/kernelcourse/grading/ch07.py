@@ -17,59 +17,16 @@ import math
 import numpy as np
 
 from ..world import world
-from .harness import POISON, Report, as_tuple, compare, exercise, guarded, speed_vs_peer
-from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
-
-LOG2E = 1.4426950408889634
-NAN = float("nan")
-HALF_POISON = -32768.0  # exact in float16 and bfloat16, and no gradient here is that large
+from .harness import (HALF_POISON, LOG2E, NAN, POISON, Report, as_tuple, compare, compare_returned, diagnose,
+                      exact_f32, exercise, explain, framed, guarded, largest_made, not_a_kernel, rand,
+                      reproduces, speed_vs_peer, to_numpy, torch_dtype)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _exact32(x) -> np.ndarray:
-    """Values rounded to float32 and back: exactly what the learner's code is given."""
-    return np.asarray(x, dtype=np.float32).astype(np.float64)
-
-
 def _rand(rng, shape, scale=1.0) -> np.ndarray:
-    x = rng.standard_normal(shape) * scale
-    return _exact32(np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x))
-
-
-def _check(got, truth, reference, what: str, floor: float) -> tuple[bool, str]:
-    """compare() of a learner's array with a float64 truth; ``floor`` is the smallest relative tolerance."""
-    got = to_numpy(got)
-    if got.dtype == object or not np.issubdtype(got.dtype, np.number):
-        return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
-    if not np.issubdtype(got.dtype, np.floating):
-        got = got.astype(np.float64)
-    return compare(got, truth, reference, what=what, rtol_floor=floor)
-
-
-def _matches(got, wrong, truth) -> bool:
-    """Does ``got`` reproduce the mistake ``wrong`` (closer to it than to the truth by a wide margin)?"""
-    g = np.asarray(to_numpy(got), dtype=np.float64)
-    w = np.asarray(wrong, dtype=np.float64)
-    t = np.asarray(truth, dtype=np.float64)
-    if g.shape != w.shape or w.shape != t.shape or not np.isfinite(g).all() or not np.isfinite(w).all():
-        return False
-    apart = float(np.max(np.abs(w - t))) if w.size else 0.0
-    if apart <= 1e-6 * max(1e-30, float(np.max(np.abs(t)))):
-        return False
-    return float(np.max(np.abs(g - w))) <= 0.25 * apart
-
-
-def _diagnose(got, mistakes, truth) -> str | None:
-    for hint, wrong in mistakes:
-        if wrong is not None and _matches(got, wrong, truth):
-            return hint
-    return None
-
-
-def _fail(report: Report, line: str, hint: str | None) -> None:
-    report.fail(f"{line}: {hint}" if hint else line)
+    return exact_f32(rand(rng, shape, (scale,)))
 
 
 def grads64(q, k, v, do, scale, causal=False, bug=None):
@@ -133,8 +90,8 @@ def _floor(q, k, scale, dtype_eps):
 
 def _head(rng, n_q, n_k, d, logit_scale):
     """q, k, v, do of one head (float64 holding float32 values), scores of about ±3·logit_scale."""
-    q = _exact32(_rand(rng, (n_q, d)) * math.sqrt(logit_scale))
-    k = _exact32(_rand(rng, (n_k, d)) * math.sqrt(logit_scale))
+    q = exact_f32(_rand(rng, (n_q, d)) * math.sqrt(logit_scale))
+    k = exact_f32(_rand(rng, (n_k, d)) * math.sqrt(logit_scale))
     return q, k, _rand(rng, (n_k, d)), _rand(rng, (n_q, d))
 
 
@@ -148,7 +105,7 @@ def grade_softmax_backward(report: Report, softmax_backward):
     for i, (rows, n, spread) in enumerate([(4, 7, 1.0), (6, 33, 10.0), (3, 100, 300.0), (1, 1, 1.0), (5, 64, 3.0)]):
         rng = np.random.default_rng(7100 + i)
         s = _rand(rng, (rows, n), spread)
-        p = _exact32(np.exp(s - s.max(axis=1, keepdims=True)) / np.exp(s - s.max(axis=1, keepdims=True)).sum(1, keepdims=True))
+        p = exact_f32(np.exp(s - s.max(axis=1, keepdims=True)) / np.exp(s - s.max(axis=1, keepdims=True)).sum(1, keepdims=True))
         dp = _rand(rng, (rows, n), 2.0)
         truth = p * (dp - (p * dp).sum(axis=1, keepdims=True))
         tp, tdp = torch.tensor(p, dtype=torch.float32), torch.tensor(dp, dtype=torch.float32)
@@ -160,7 +117,7 @@ def grade_softmax_backward(report: Report, softmax_backward):
             return
         if got is None:
             return report.fail("softmax_backward returned None: did you forget `return`?")
-        ok, line = _check(got, truth, ref, what, floor=8 * 1.2e-7)
+        ok, line = compare_returned(got, truth, ref, what, rtol_floor=8 * 1.2e-7)
         if not ok:
             mistakes = [
                 ("softmax couples each row: dS = P ∘ (dP − D), with D = rowsum(P ∘ dP) subtracted from every dP of "
@@ -172,7 +129,7 @@ def grade_softmax_backward(report: Report, softmax_backward):
                 ("the Jacobian of softmax is diag(P) − P Pᵀ: the diagonal alone, P(1 − P) ∘ dP, leaves out how each "
                  "probability moves when the others do", p * (1 - p) * dp),
             ]
-            return _fail(report, line, _diagnose(got, mistakes, truth))
+            return report.fail(line, diagnose(got, mistakes, truth=truth, first=True))
         report.ok(line)
 
 
@@ -187,7 +144,7 @@ def grade_delta(report: Report, delta_from_probs, delta):
         rng = np.random.default_rng(7200 + i)
         q, k, v, do = _head(rng, n_q, n_k, d, ls)
         *_, x = grads64(q, k, v, do, 1 / math.sqrt(d))
-        p, dp, o = _exact32(x["p"]), _exact32(x["dp"]), _exact32(x["o"])
+        p, dp, o = exact_f32(x["p"]), exact_f32(x["dp"]), exact_f32(x["o"])
         what = f"N_Q={n_q}, N_K={n_k}, d={d}" + (", scores of ±1000" if ls > 100 else "")
         t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
         # from P and dP
@@ -197,13 +154,13 @@ def grade_delta(report: Report, delta_from_probs, delta):
         if report.failures > before:
             return
         ref = to_numpy((t(p) * t(dp)).sum(dim=1)).astype(np.float64)
-        ok, line = _check(got, truth, ref, f"delta_from_probs, {what}", floor=16 * 1.2e-7)
+        ok, line = compare_returned(got, truth, ref, f"delta_from_probs, {what}", rtol_floor=16 * 1.2e-7)
         if not ok:
             mistakes = [("D = rowsum(P ∘ dP): multiply by P before summing", dp.sum(axis=1)),
                         ("D has one value per query row: sum over the keys, dim=-1", (p * dp).sum(axis=0)
                          if n_q == n_k else None),
                         ("D = Σ_j P_ij dP_ij, a sum of products, not a product of sums", p.sum(1) * dp.sum(1))]
-            return _fail(report, line, _diagnose(got, mistakes, truth))
+            return report.fail(line, diagnose(got, mistakes, truth=truth, first=True))
         # from O and dO: the same numbers, without P
         truth = (do * o).sum(axis=1)
         got = guarded(report, f"delta, {what}", delta, t(o), t(do))
@@ -213,12 +170,12 @@ def grade_delta(report: Report, delta_from_probs, delta):
             return report.fail(f"delta, {what}: returned a ({n_q}, {n_q}) matrix: D is one number per row, "
                                "rowsum(dO ∘ O), the diagonal of dO Oᵀ without computing the rest")
         ref = to_numpy((t(o) * t(do)).sum(dim=1)).astype(np.float64)
-        ok, line = _check(got, truth, ref, f"delta, {what}", floor=16 * 1.2e-7)
+        ok, line = compare_returned(got, truth, ref, f"delta, {what}", rtol_floor=16 * 1.2e-7)
         if not ok:
             mistakes = [("D has one value per query row: sum over the head dim, dim=-1", (do * o).sum(axis=0)
                          if n_q == d else None),
                         ("D = Σ_c dO_ic O_ic, a sum of products, not a product of sums", do.sum(1) * o.sum(1))]
-            return _fail(report, line, _diagnose(got, mistakes, truth))
+            return report.fail(line, diagnose(got, mistakes, truth=truth, first=True))
         report.ok(f"{what}: both give D (max error {float(np.max(np.abs(to_numpy(got) - truth))):.1g})")
 
 
@@ -248,12 +205,13 @@ def _check_grads(report, got, q, k, v, do, scale, causal, what, floor, ref=None)
     truth = grads64(q, k, v, do, scale, causal)[:3]
     ref = ref or _torch_grads(q, k, v, do, scale, causal)
     for i, name in enumerate(names):
-        ok, line = _check(got[i], truth[i], ref[i], f"{name}, {what}", floor)
+        ok, line = compare_returned(got[i], truth[i], ref[i], f"{name}, {what}", floor)
         if not ok:
-            hint = _diagnose(got[i], _grads_mistakes(q, k, v, do, scale, causal, i), truth[i])
-            if hint is None and name == "dv" and _matches(got[i], grads64(q, k, v, do, scale, causal)[3]["p"].T @ do * scale, truth[i]):
+            hint = diagnose(got[i], _grads_mistakes(q, k, v, do, scale, causal, i), truth=truth[i], first=True)
+            scaled_dv = grads64(q, k, v, do, scale, causal)[3]["p"].T @ do * scale
+            if hint is None and name == "dv" and reproduces(got[i], scaled_dv, truth[i]) is not None:
                 hint = "dV = Pᵀ dO: no sm_scale in it (V is not scaled in the forward)"
-            _fail(report, line, hint)
+            report.fail(line, hint)
             return False
     return True
 
@@ -298,7 +256,7 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
         q, k, v, do = _head(rng, n_q, n_k, d, ls)
         scale = 1 / math.sqrt(d)
         *_, x = grads64(q, k, v, do, scale, causal)
-        o, lse = _exact32(x["o"]), _exact32(x["lse"])
+        o, lse = exact_f32(x["o"]), exact_f32(x["lse"])
         what = (f"N_Q={n_q}, N_K={n_k}, d={d}, block_m={bm}, block_n={bn}{', causal' if causal else ''}"
                 f"{', scores of ±1000' if ls > 100 else ''}")
         t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
@@ -317,12 +275,12 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
         p_nolse = np.exp(s - s.max(axis=1, keepdims=True)) if not causal else None
         if p_nolse is not None:
             dv_tile_norm = p_nolse.T @ do      # P without the lse: exp(S - max), not divided by the row sum
-            if _matches(got[2], dv_tile_norm, truth[2]):
+            if reproduces(got[2], dv_tile_norm, truth[2]) is not None:
                 return report.fail(f"dv, {what}: P = exp(S − lse) with the saved lse, which holds the max and the "
                                    "row sum: a tile's own max or sum is not the row's")
         if causal:  # P = exp(S - lse) left unmasked: the lse leaves the masked keys out, exp(S - lse) does not
             unmasked = unmasked_grads64(q, k, v, do, scale)
-            if any(_matches(g, u, t) for g, u, t in zip(got, unmasked, truth)):
+            if any(reproduces(g, u, t) is not None for g, u, t in zip(got, unmasked, truth)):
                 return report.fail(f"{what}: the gradients include keys after their query: with causal=True, set P to "
                                    "0 where key j > query i (the lse leaves those keys out, but exp(S − lse) does not)")
         if not _check_grads(report, got, q, k, v, do, scale, causal, what, _floor(q, k, scale, 1.2e-7)):
@@ -334,16 +292,6 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
 
 
 # ---- 07.5 the dK/dV kernel's inner loop ------------------------------------------------------
-
-
-def _framed(data: np.ndarray, pad: int, fill: float, dtype):
-    """(heads, rows, ...) data on the device inside (heads, rows + pad, ...) filled with ``fill``."""
-    import torch
-
-    full = torch.full((data.shape[0], data.shape[1] + pad, *data.shape[2:]), fill, dtype=dtype, device=world().device)
-    view = full[:, :data.shape[1]]
-    view.copy_(torch.from_numpy(data).to(dtype))
-    return full, view
 
 
 def _dkdv_launch(kernel, heads, n_q, n_k, d, bm, bn, tensors, scale, **meta):
@@ -372,7 +320,7 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
             cases.append((2, 200, 300, 64, 32, 64, "bf16", 30.0))
     for i, (heads, n_q, n_k, d, bm, bn, dtype, ls) in enumerate(cases):
         rng = np.random.default_rng(7500 + i)
-        dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        dt = torch_dtype(dtype)
         heads_in = [_head(rng, n_q, n_k, d, ls) for _ in range(heads)]
         # what the kernel is given, rounded to its dtype: the truth is computed from exactly these
         rnd = lambda a: to_numpy(torch.from_numpy(a).to(dt).float()).astype(np.float64)  # noqa: E731
@@ -380,17 +328,17 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         scale = 1 / math.sqrt(d)
         stats = [grads64(q[h], k[h], v[h], do[h], scale)[3] for h in range(heads)]
         o = np.stack([rnd(s["o"]) for s in stats])                  # the forward's output, in the dtype
-        lse = np.stack([_exact32(s["lse"]) for s in stats])
-        delta = np.stack([_exact32((do[h] * o[h]).sum(axis=1)) for h in range(heads)])
+        lse = np.stack([exact_f32(s["lse"]) for s in stats])
+        delta = np.stack([exact_f32((do[h] * o[h]).sum(axis=1)) for h in range(heads)])
         poison = POISON if dtype == "fp32" else HALF_POISON
-        _, tq = _framed(q, bm, NAN, dt)
-        _, tdo = _framed(do, bm, NAN, dt)
-        _, tk = _framed(k, bn, NAN, dt)
-        _, tv = _framed(v, bn, NAN, dt)
-        _, tlse = _framed(lse, bm, NAN, torch.float32)
-        _, tdelta = _framed(delta, bm, NAN, torch.float32)
-        _, tdk = _framed(np.zeros_like(k), bn, poison, dt)
-        _, tdv = _framed(np.zeros_like(v), bn, poison, dt)
+        _, tq = framed(q, dtype, NAN, pad_rows=bm)
+        _, tdo = framed(do, dtype, NAN, pad_rows=bm)
+        _, tk = framed(k, dtype, NAN, pad_rows=bn)
+        _, tv = framed(v, dtype, NAN, pad_rows=bn)
+        _, tlse = framed(lse, "fp32", NAN, pad_cols=bm)
+        _, tdelta = framed(delta, "fp32", NAN, pad_cols=bm)
+        _, tdk = framed(np.zeros_like(k), dtype, poison, pad_rows=bn)
+        _, tdv = framed(np.zeros_like(v), dtype, poison, pad_rows=bn)
         tdk.fill_(poison)
         tdv.fill_(poison)
         what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, BLOCK_N={bn}, "
@@ -402,7 +350,6 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
             if gpu:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a learner's kernel may fail to compile in any way
-            from .harness import explain
             return report.fail(f"{what}: {explain(exc)}")
         # the truth: the gradients of the exact attention given the (rounded) q, k, v, do, o, lse, D
         dk_t, dv_t = [], []
@@ -435,11 +382,11 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
                 return report.fail(f"{what}: {name} is all zeros: is the loop body still a stub?")
             ok, line = compare(got, truth, r, what=f"{name}, {what}", rtol_floor=floor)
             if not ok:
-                hint = _diagnose(got, mistakes_of[name], truth)
+                hint = diagnose(got, mistakes_of[name], truth=truth, first=True)
                 if hint is None and not np.isfinite(got).all():
                     hint = ("queries past N_Q lie outside the head (here NaN): load q, do, lse and D with "
                             "mask=offs_m < N_Q (other=0.0)")
-                return _fail(report, line, hint)
+                return report.fail(line, hint)
         report.ok(f"{what}: dk and dv match")
 
     # speed, on a GPU: against PyTorch's SDPA backward (which also computes dQ), timed now
@@ -518,7 +465,7 @@ def grade_query_range(report: Report, query_range):
             continue
         hint = next((h for fn, h in hints if (m_start, m_full) == fn(start_n, bm, bn)), None)
         k0 = start_n * bn
-        return _fail(report, f"{call} returned ({m_start}, {m_full}), expected {want} (keys {k0}..{k0 + bn - 1}, "
+        return report.fail(f"{call} returned ({m_start}, {m_full}), expected {want} (keys {k0}..{k0 + bn - 1}, "
                              f"{n_q} queries)", hint or "m_start: the query tile holding key k0; m_full: the first "
                                                         "multiple of block_m at or after k0 + block_n - 1")
     report.ok(f"query_range: all {len(cases)} key tiles get the right skipped, masked and full query tiles")
@@ -563,7 +510,7 @@ def grade_function(report: Report, FlashAttentionFn):
                             for b in range(B) for h in range(H)]).reshape(B, H, n_q, d)
         ok, line = compare(to_numpy(out.float()), o_truth, None, what=f"o, {what}", rtol_floor=64 * float(torch.finfo(dt).eps))
         if not ok:
-            return _fail(report, line, "the forward returns o from flash_attention(q, k, v, causal=causal)")
+            return report.fail(line, "the forward returns o from flash_attention(q, k, v, causal=causal)")
         # what the forward kept for the backward: saved tensors and tensors stored on ctx
         kept = list(getattr(out.grad_fn, "saved_tensors", ()))
         kept += [t for t in vars(out.grad_fn).values() if isinstance(t, torch.Tensor)] if hasattr(out.grad_fn, "__dict__") else []
@@ -589,11 +536,11 @@ def grade_function(report: Report, FlashAttentionFn):
             if not ok:
                 hint = None
                 others = [np.stack([g[m] for g in per_head]).reshape(leaves[m].shape) for m in range(3) if m != j]
-                if any(o.shape == truth.shape and _matches(grads[j], o, truth) for o in others):
+                if any(o.shape == truth.shape and reproduces(grads[j], o, truth) is not None for o in others):
                     hint = "backward returns the gradients in the order of forward's inputs: (dq, dk, dv, None)"
-                elif causal and _matches(grads[j], np.stack([unmasked_grads64(q[b, h], k[b, h], v[b, h], do[b, h],
-                                                                              1 / math.sqrt(d))[j] for b in range(B)
-                                                             for h in range(H)]).reshape(truth.shape), truth):
+                elif causal and reproduces(grads[j], np.stack([unmasked_grads64(q[b, h], k[b, h], v[b, h], do[b, h],
+                                                                             1 / math.sqrt(d))[j] for b in range(B)
+                                                            for h in range(H)]).reshape(truth.shape), truth) is not None:
                     hint = "the backward must use the same causal flag as the forward: keep it on ctx"
-                return _fail(report, line, hint)
+                return report.fail(line, hint)
         report.ok(f"{what}: o and the gradients match; the forward keeps {len(kept)} tensors, none N_Q × N_K")

@@ -60,6 +60,7 @@ def sizes(cpu: list, gpu_extra: list) -> list:
 # ---- comparing outputs ------------------------------------------------------------------------
 
 POISON = -3.0e38  # written into output buffers first: an element still holding it was never written
+HALF_POISON = -32768.0  # the poison of float16 and bfloat16 outputs: exact in both, and no result here is that large
 
 
 def poisoned(shape, dtype=np.float32) -> np.ndarray:
@@ -69,6 +70,12 @@ def poisoned(shape, dtype=np.float32) -> np.ndarray:
 def _index(flat_i: int, shape) -> str:
     idx = np.unravel_index(flat_i, shape)
     return str(int(idx[0])) if len(shape) == 1 else str(tuple(int(i) for i in idx))
+
+
+def exact_f32(x) -> np.ndarray:
+    """Values rounded to float32 and back, in float64: exactly what learner code given float32 gets
+    (the truth is computed from these)."""
+    return np.asarray(x, dtype=np.float32).astype(np.float64)
 
 
 def tolerance_of(truth, reference, rtol_floor: float) -> float:
@@ -121,10 +128,23 @@ def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None =
 
 
 
+def compare_returned(got, truth, reference, what: str, rtol_floor: float) -> tuple[bool, str]:
+    """compare() of whatever learner code returned (a tensor of any device or dtype, an array, a
+    number): a result that is not numbers says so; integers are compared as floats."""
+    got = to_numpy(got)
+    if got.dtype == object or not np.issubdtype(got.dtype, np.number):
+        return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
+    if not np.issubdtype(got.dtype, np.floating):
+        got = got.astype(np.float64)
+    return compare(got, truth, reference, what=what, rtol_floor=rtol_floor)
+
+
 # ---- Triton kernels ----------------------------------------------------------------------------------
 
 GUARD = 1024  # elements of frame after 1D data: at least the largest block a grader launches
 NAN = float("nan")
+LOG2E = 1.4426950408889634  # log2(e): a kernel computes exp(x) as exp2(x · log2 e)
+LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) · ln 2
 PAD = 0.5  # the frame of row-wise inputs: finite, so that reading it gives a wrong value the grader can name
 
 
@@ -318,12 +338,15 @@ def reproduces(got, wrong, truth=None, tol: float = 0.0) -> float | None:
     return distance if apart > 1e-5 * scale and distance <= 0.25 * apart else None
 
 
-def diagnose(got, mistakes, tol: float = 0.0, truth=None) -> str | None:
+def diagnose(got, mistakes, tol: float = 0.0, truth=None, first: bool = False) -> str | None:
     """The hint of the typical mistake, among ``mistakes`` (hint, wrong result or None), that ``got``
-    reproduces most closely (``reproduces``), or None."""
+    reproduces most closely (``reproduces``), or None. With ``first``, the first one listed that it
+    reproduces: for lists whose mistakes can give nearly the same result, the likelier listed first."""
     best, best_distance = None, np.inf
     for hint, wrong in mistakes:
         distance = reproduces(got, wrong, truth, tol)
+        if distance is not None and first:
+            return hint
         if distance is not None and distance < best_distance:
             best, best_distance = hint, distance
     return best
