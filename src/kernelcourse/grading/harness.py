@@ -57,6 +57,18 @@ def sizes(cpu: list, gpu_extra: list) -> list:
     return cpu + (gpu_extra if world().gpu else [])
 
 
+def separating(rng, draw, values, close, tries: int = 1000):
+    """A case from ``draw(rng)`` on which ``values(case)``, the answer and then each known mistake's, are
+    pairwise apart (none ``close`` to another), so that the hint of a first failing case names the right
+    mistake; the last case drawn if ``tries`` draws found none."""
+    for _ in range(tries):
+        case = draw(rng)
+        found = values(case)
+        if all(not close(a, b) for i, a in enumerate(found) for b in found[i + 1:]):
+            return case
+    return case
+
+
 # ---- comparing outputs ------------------------------------------------------------------------
 
 POISON = -3.0e38  # written into output buffers first: an element still holding it was never written
