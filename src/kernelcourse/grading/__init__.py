@@ -12,7 +12,8 @@ comparisons, its messages). What they share lives once in ``harness.py`` (cases,
 the tolerance, ``compare``, Triton launches, naming a typical mistake), which gathers the modules
 below it: ``reporting.py`` (a ``Report`` of lines, the table), ``running.py`` (learner code under a
 time limit, in a child process), ``speed.py`` (speed checks on a GPU) and ``addresses.py`` (the
-interpreter's check of every load and store). Imports run one way: chapters -> harness -> the rest;
+interpreter's check of every load and store). ``attention64.py`` holds chapters 06-07's float64
+attention, exact and with the typical bugs. Imports run one way: chapters -> harness -> the rest;
 this module, on top, loads a chapter's graders when one of its exercises is checked.
 """
 from __future__ import annotations

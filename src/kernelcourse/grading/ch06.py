@@ -17,6 +17,7 @@ import numpy as np
 from ..world import world
 from .harness import (HALF_POISON, LN2, LOG2E, NAN, POISON, Report, as_tuple, call, compare, compare_returned,
                       exact_f32, exercise, guarded, tolerance_of)
+from .attention64 import attention64, causal_from_zero, tiled64
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
 _np = to_numpy
@@ -30,56 +31,6 @@ def _check(got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool,
     algorithm rounds at every rescale, so it may differ from PyTorch's direct computation by more
     than PyTorch's own error, but by nothing like a mistake."""
     return compare_returned(got, truth, reference, what, floor * float(np.finfo(np.float32).eps))
-
-
-def attention64(q, k, v, scale, causal=False, keep=None, fill=-np.inf):
-    """Float64 attention of one head: q (R, d), k and v (N, d) -> (o (R, d), lse (R,)).
-
-    ``causal`` keeps key j for query i when j <= i (top-left); ``keep`` is any (R, N) boolean mask
-    instead, and ``fill`` what the masked scores become (a wrong answer may use 0). A row with no key
-    left gives NaN, as 0 / 0 does in a learner's code.
-    """
-    s = (q @ k.T) * scale
-    if causal:
-        keep = np.tril(np.ones(s.shape, dtype=bool))
-    if keep is not None:
-        s = np.where(keep, s, fill)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    return (p @ v) / l, (m + np.log(l))[:, 0]
-
-
-def tiled64(q, k, v, scale, block_n, bug=None):
-    """Tiled attention of one head in float64, the way a kernel does it, optionally with a typical
-    bug: "no_rescale_acc", "no_rescale_l", "no_rescale", "inverted_rescale", "tail_as_zero" (keys
-    past N padded with zeros and not masked), "no_normalise", "last_tile_missing", "max_from_zero" (the
-    running max started at 0, not -inf). Returns (o, lse)."""
-    n, d = k.shape
-    rows = q.shape[0]
-    m = np.zeros(rows) if bug == "max_from_zero" else np.full(rows, -np.inf)
-    l = np.zeros(rows)
-    acc = np.zeros((rows, v.shape[1]))
-    if bug == "tail_as_zero" and n % block_n:
-        pad = block_n - n % block_n
-        k = np.concatenate([k, np.zeros((pad, d))])
-        v = np.concatenate([v, np.zeros((pad, v.shape[1]))])
-        n = k.shape[0]
-    stop = (n // block_n) * block_n if bug == "last_tile_missing" else n
-    for n0 in range(0, stop, block_n):
-        s = (q @ k[n0:n0 + block_n].T) * scale
-        m_new = np.maximum(m, s.max(axis=1))
-        alpha = np.exp(m - m_new)
-        if bug == "inverted_rescale":
-            alpha = np.where(np.isfinite(m), np.exp(m_new - m), 0.0)
-        p = np.exp(s - m_new[:, None])
-        a_l = 1.0 if bug in ("no_rescale_l", "no_rescale") else alpha
-        a_acc = 1.0 if bug in ("no_rescale_acc", "no_rescale") else alpha
-        l = a_l * l + p.sum(axis=1)
-        acc = (a_acc * acc.T).T + p @ v[n0:n0 + block_n]
-        m = m_new
-    o = acc if bug == "no_normalise" else acc / l[:, None]
-    return o, m + np.log(l)
 
 
 def _rand(rng, shape, scale=1.0):
@@ -319,16 +270,6 @@ def _worst_of(truth_o, truth_lse, scores, v):
 BELOW = -1000.0  # a logit scale below 0: every score of every row near this value, far below 0
 
 
-def _causal_from_zero(q, k, v, scale):
-    """Causal attention whose running max starts at 0: rows whose scores are all far below 0 give NaN."""
-    o, lse = attention64(q, k, v, scale, causal=True)
-    s = np.where(np.tril(np.ones((q.shape[0], k.shape[0]), dtype=bool)), q @ k.T * scale, -np.inf)
-    dead = np.exp(s).sum(axis=1) == 0  # exp(s - 0) underflows for every key of the row
-    o, lse = o.copy(), lse.copy()
-    o[dead], lse[dead] = np.nan, -np.inf
-    return o, lse
-
-
 def _attention_inputs(rng, n_q, n_k, d, logit_scale):
     """q, k, v in float64 (exactly float32 values) with scores around ±logit_scale; with a negative
     ``logit_scale``, scores around ±1 shifted to about ``logit_scale``, so that every score a row sees is
@@ -393,7 +334,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                          ("with causal=True, query i sees only the keys j <= i: mask the others", dict())]
                 mistakes = [(h, attention64(q, k, v, scale, **kw)) for h, kw in masks]
                 mistakes.append((bugs[-1][0], tiled64(q, k, v, scale, bn, "max_from_zero")) if not causal else
-                                (bugs[-1][0], _causal_from_zero(q, k, v, scale)))
+                                (bugs[-1][0], causal_from_zero(q, k, v, scale)))
             else:
                 mistakes = [(h, tiled64(q, k, v, scale, bn, bug)) for h, bug in bugs]
             ok, line = _check(got[0], truth_o, ref_o, what=f"output, {what}", floor=256)

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from ..world import world
+from .attention64 import grads64, unmasked_grads64
 from .harness import (HALF_POISON, LOG2E, NAN, POISON, Report, as_tuple, compare, compare_returned, diagnose,
                       exact_f32, exercise, explain, framed, guarded, largest_made, not_a_kernel, rand,
                       reproduces, speed_vs_peer, to_numpy, torch_dtype)
@@ -27,43 +28,6 @@ from .harness import (HALF_POISON, LOG2E, NAN, POISON, Report, as_tuple, compare
 
 def _rand(rng, shape, scale=1.0) -> np.ndarray:
     return exact_f32(rand(rng, shape, (scale,)))
-
-
-def grads64(q, k, v, do, scale, causal=False, bug=None):
-    """Float64 gradients of one head, q (R, d), k and v (N, d), do (R, d) -> (dq, dk, dv, extras),
-    optionally with a typical bug: "no_delta" (dS = P ∘ dP), "delta_from_dp" (D = rowsum(dP)),
-    "no_p" (dS = dP - D), "no_scale" (dQ, dK without sm_scale), "scale_twice", "fill_zero" (masked
-    scores set to 0, not -inf), "no_mask" (causal ignored)."""
-    s = (q @ k.T) * scale
-    if causal and bug != "no_mask":
-        keep = np.tril(np.ones(s.shape, dtype=bool))
-        s = np.where(keep, s, 0.0 if bug == "fill_zero" else -np.inf)
-    m = s.max(axis=1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(axis=1, keepdims=True)
-    p = p / l
-    o = p @ v
-    dv = p.T @ do
-    dp = do @ v.T
-    delta = dp.sum(axis=1) if bug == "delta_from_dp" else (do * o).sum(axis=1)
-    if bug == "no_delta":
-        ds = p * dp
-    elif bug == "no_p":
-        ds = dp - delta[:, None]
-    else:
-        ds = p * (dp - delta[:, None])
-    c = {"no_scale": 1.0, "scale_twice": scale * scale}.get(bug, scale)
-    dq, dk = ds @ k * c, ds.T @ q * c
-    return dq, dk, dv, {"o": o, "lse": (m + np.log(l))[:, 0], "p": p, "dp": dp, "delta": (do * o).sum(axis=1)}
-
-
-def unmasked_grads64(q, k, v, do, scale):
-    """The gradients a backward computes when it forgets the causal mask of a causal forward: P = exp(S - lse)
-    with the causal lse and D, but over every key."""
-    *_, x = grads64(q, k, v, do, scale, causal=True)
-    p = np.exp(q @ k.T * scale - x["lse"][:, None])
-    ds = p * (do @ v.T - x["delta"][:, None])
-    return ds @ k * scale, ds.T @ q * scale, p.T @ do
 
 
 def _torch_grads(q, k, v, do, scale, causal, dtype=None, device="cpu"):
