@@ -4,10 +4,11 @@ its comparisons and its messages.
 
 From the modules below it, re-exported here: what a grader reports (``Report``, ``exercise``), how it
 calls learner code (``call``, ``guarded``, ``number``, ``explain``), and the speed checks
-(``speed_vs_peer``, ``speed_vs_roof``). Its own: fresh random cases (``fresh_rng``, ``rand``), poisoned
-outputs, the one tolerance rule (``tolerance_of``) and ``compare``, and for Triton kernels: launching
-the learner's kernel, framing its inputs and outputs, and naming the typical mistake a wrong result
-reproduces under one diagnosis rule (``diagnose``).
+(``speed_vs_peer``, ``speed_vs_roof``). Its own: random cases (``fresh_rng``, ``rand``, ``sizes``, and
+``separating``, a case that tells the known mistakes apart), poisoned outputs, the one tolerance rule
+(``tolerance_of``), ``compare`` and ``compare_returned``, naming the typical mistake a wrong result
+reproduces under one diagnosis rule (``diagnose``), and for Triton kernels: launching the learner's
+kernel and framing its inputs and outputs.
 
 Every input and output of a Triton kernel lives inside a larger buffer: inputs are framed by NaN or a
 finite pad (an unmasked read past the data brings it into the result), outputs by poison (a write past
