@@ -6,7 +6,13 @@ load past ``N_K`` shows, and outputs framed by poison. Every input set includes 
 or more, where an ``exp`` without the running max overflows, a number of keys that is not a multiple
 of the tile, and several seeds. Results are compared with a float64 truth; when one is wrong, the
 grader recomputes the typical mistakes (no rescale, no tail mask, base e instead of base 2...) in
-float64 and names the one that matches.
+float64 and names the one that matches (the float64 attention, exact and with each bug, is in
+``attention64.py``; what every grader shares, in ``harness.py``).
+
+One section per exercise, in the chapter's order, each its cases, then its checks and messages:
+06.1 combining split-KV results, 06.2 one-pass softmax statistics, 06.3 tiled attention in PyTorch,
+06.4 the Triton inner loop, 06.5 which tiles the causal mask needs, 06.6 the log-sum-exp from the
+kernel's base-2 state, 06.7 the causal kernel in Triton, 06.8 that kernel graded on speed.
 """
 from __future__ import annotations
 
