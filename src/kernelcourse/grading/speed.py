@@ -18,9 +18,11 @@ def _median_ms(report: Report, what: str, fn) -> float | None:
     return None if report.failures > before else ms
 
 
-def speed_vs_peer(report: Report, what: str, fn, peer, peer_name: str, at_least: float) -> bool | None:
+def speed_vs_peer(report: Report, what: str, fn, peer, peer_name: str, at_least: float,
+                  hint: str | None = None) -> bool | None:
     """Speed check on a GPU: ``fn()`` must run at least ``at_least`` times as fast as ``peer()``, both
-    timed now, in this process (median of many runs). On the CPU the check is not graded.
+    timed now, in this process (median of many runs). On the CPU the check is not graded. ``hint``
+    follows a failing line: what makes a correct kernel this slow.
 
     Returns True or False when graded, None when not.
     """
@@ -31,11 +33,12 @@ def speed_vs_peer(report: Report, what: str, fn, peer, peer_name: str, at_least:
     if ms is None or peer_ms is None:
         return False
     ratio = peer_ms / ms
+    failed = (f"{what}: {ratio:.2f}x the speed of {peer_name} ({ms:.3f} ms vs {peer_ms:.3f} ms); needs at least "
+              f"{at_least:g}x")
     return report.expect(
         ratio >= at_least,
         f"{what}: {ratio:.2f}x the speed of {peer_name} ({ms:.3f} ms vs {peer_ms:.3f} ms; needs {at_least:g}x)",
-        f"{what}: {ratio:.2f}x the speed of {peer_name} ({ms:.3f} ms vs {peer_ms:.3f} ms); needs at least "
-        f"{at_least:g}x",
+        f"{failed}: {hint}" if hint else failed,
     )
 
 
