@@ -17,17 +17,40 @@ import math
 import numpy as np
 
 from ..world import world
+from . import POISON, Report, as_tuple, compare, exercise, guarded, speed_vs_peer
+from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
 from .attention64 import grads64, unmasked_grads64
-from .harness import (HALF_POISON, LOG2E, NAN, POISON, Report, as_tuple, compare, compare_returned, diagnose,
-                      exact_f32, exercise, explain, framed, guarded, largest_made, not_a_kernel, rand,
-                      reproduces, speed_vs_peer, to_numpy, torch_dtype)
+from .harness import HALF_POISON, LOG2E, NAN, compare_returned, diagnose, exact_f32, explain, framed, rand, reproduces
 
 
-# ---- helpers -----------------------------------------------------------------------------------
+# ---- helpers: the harness's, under the names this module's graders use -------------------------
+
+
+def _exact32(x) -> np.ndarray:
+    return exact_f32(x)
 
 
 def _rand(rng, shape, scale=1.0) -> np.ndarray:
     return exact_f32(rand(rng, shape, (scale,)))
+
+
+def _check(got, truth, reference, what: str, floor: float) -> tuple[bool, str]:
+    return compare_returned(got, truth, reference, what, floor)
+
+
+def _matches(got, wrong, truth) -> bool:
+    """Does ``got`` reproduce the mistake ``wrong``? (the harness's one diagnosis rule)"""
+    return reproduces(got, wrong, truth) is not None
+
+
+def _diagnose(got, mistakes, truth) -> str | None:
+    """The first listed mistake that ``got`` reproduces: 07's lists put the likelier of two mistakes that
+    can give nearly the same result first."""
+    return diagnose(got, mistakes, truth=truth, first=True)
+
+
+def _fail(report: Report, line: str, hint: str | None) -> None:
+    report.fail(line, hint)
 
 
 def _torch_grads(q, k, v, do, scale, causal, dtype=None, device="cpu"):
@@ -54,8 +77,8 @@ def _floor(q, k, scale, dtype_eps):
 
 def _head(rng, n_q, n_k, d, logit_scale):
     """q, k, v, do of one head (float64 holding float32 values), scores of about ±3·logit_scale."""
-    q = exact_f32(_rand(rng, (n_q, d)) * math.sqrt(logit_scale))
-    k = exact_f32(_rand(rng, (n_k, d)) * math.sqrt(logit_scale))
+    q = _exact32(_rand(rng, (n_q, d)) * math.sqrt(logit_scale))
+    k = _exact32(_rand(rng, (n_k, d)) * math.sqrt(logit_scale))
     return q, k, _rand(rng, (n_k, d)), _rand(rng, (n_q, d))
 
 
@@ -69,7 +92,7 @@ def grade_softmax_backward(report: Report, softmax_backward):
     for i, (rows, n, spread) in enumerate([(4, 7, 1.0), (6, 33, 10.0), (3, 100, 300.0), (1, 1, 1.0), (5, 64, 3.0)]):
         rng = np.random.default_rng(7100 + i)
         s = _rand(rng, (rows, n), spread)
-        p = exact_f32(np.exp(s - s.max(axis=1, keepdims=True)) / np.exp(s - s.max(axis=1, keepdims=True)).sum(1, keepdims=True))
+        p = _exact32(np.exp(s - s.max(axis=1, keepdims=True)) / np.exp(s - s.max(axis=1, keepdims=True)).sum(1, keepdims=True))
         dp = _rand(rng, (rows, n), 2.0)
         truth = p * (dp - (p * dp).sum(axis=1, keepdims=True))
         tp, tdp = torch.tensor(p, dtype=torch.float32), torch.tensor(dp, dtype=torch.float32)
@@ -81,7 +104,7 @@ def grade_softmax_backward(report: Report, softmax_backward):
             return
         if got is None:
             return report.fail("softmax_backward returned None: did you forget `return`?")
-        ok, line = compare_returned(got, truth, ref, what, rtol_floor=8 * 1.2e-7)
+        ok, line = _check(got, truth, ref, what, floor=8 * 1.2e-7)
         if not ok:
             mistakes = [
                 ("softmax couples each row: dS = P ∘ (dP − D), with D = rowsum(P ∘ dP) subtracted from every dP of "
@@ -93,7 +116,7 @@ def grade_softmax_backward(report: Report, softmax_backward):
                 ("the Jacobian of softmax is diag(P) − P Pᵀ: the diagonal alone, P(1 − P) ∘ dP, leaves out how each "
                  "probability moves when the others do", p * (1 - p) * dp),
             ]
-            return report.fail(line, diagnose(got, mistakes, truth=truth, first=True))
+            return _fail(report, line, _diagnose(got, mistakes, truth))
         report.ok(line)
 
 
@@ -108,7 +131,7 @@ def grade_delta(report: Report, delta_from_probs, delta):
         rng = np.random.default_rng(7200 + i)
         q, k, v, do = _head(rng, n_q, n_k, d, ls)
         *_, x = grads64(q, k, v, do, 1 / math.sqrt(d))
-        p, dp, o = exact_f32(x["p"]), exact_f32(x["dp"]), exact_f32(x["o"])
+        p, dp, o = _exact32(x["p"]), _exact32(x["dp"]), _exact32(x["o"])
         what = f"N_Q={n_q}, N_K={n_k}, d={d}" + (", scores of ±1000" if ls > 100 else "")
         t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
         # from P and dP
@@ -118,13 +141,13 @@ def grade_delta(report: Report, delta_from_probs, delta):
         if report.failures > before:
             return
         ref = to_numpy((t(p) * t(dp)).sum(dim=1)).astype(np.float64)
-        ok, line = compare_returned(got, truth, ref, f"delta_from_probs, {what}", rtol_floor=16 * 1.2e-7)
+        ok, line = _check(got, truth, ref, f"delta_from_probs, {what}", floor=16 * 1.2e-7)
         if not ok:
             mistakes = [("D = rowsum(P ∘ dP): multiply by P before summing", dp.sum(axis=1)),
                         ("D has one value per query row: sum over the keys, dim=-1", (p * dp).sum(axis=0)
                          if n_q == n_k else None),
                         ("D = Σ_j P_ij dP_ij, a sum of products, not a product of sums", p.sum(1) * dp.sum(1))]
-            return report.fail(line, diagnose(got, mistakes, truth=truth, first=True))
+            return _fail(report, line, _diagnose(got, mistakes, truth))
         # from O and dO: the same numbers, without P
         truth = (do * o).sum(axis=1)
         got = guarded(report, f"delta, {what}", delta, t(o), t(do))
@@ -134,12 +157,12 @@ def grade_delta(report: Report, delta_from_probs, delta):
             return report.fail(f"delta, {what}: returned a ({n_q}, {n_q}) matrix: D is one number per row, "
                                "rowsum(dO ∘ O), the diagonal of dO Oᵀ without computing the rest")
         ref = to_numpy((t(o) * t(do)).sum(dim=1)).astype(np.float64)
-        ok, line = compare_returned(got, truth, ref, f"delta, {what}", rtol_floor=16 * 1.2e-7)
+        ok, line = _check(got, truth, ref, f"delta, {what}", floor=16 * 1.2e-7)
         if not ok:
             mistakes = [("D has one value per query row: sum over the head dim, dim=-1", (do * o).sum(axis=0)
                          if n_q == d else None),
                         ("D = Σ_c dO_ic O_ic, a sum of products, not a product of sums", do.sum(1) * o.sum(1))]
-            return report.fail(line, diagnose(got, mistakes, truth=truth, first=True))
+            return _fail(report, line, _diagnose(got, mistakes, truth))
         report.ok(f"{what}: both give D (max error {float(np.max(np.abs(to_numpy(got) - truth))):.1g})")
 
 
@@ -169,13 +192,12 @@ def _check_grads(report, got, q, k, v, do, scale, causal, what, floor, ref=None)
     truth = grads64(q, k, v, do, scale, causal)[:3]
     ref = ref or _torch_grads(q, k, v, do, scale, causal)
     for i, name in enumerate(names):
-        ok, line = compare_returned(got[i], truth[i], ref[i], f"{name}, {what}", floor)
+        ok, line = _check(got[i], truth[i], ref[i], f"{name}, {what}", floor)
         if not ok:
-            hint = diagnose(got[i], _grads_mistakes(q, k, v, do, scale, causal, i), truth=truth[i], first=True)
-            scaled_dv = grads64(q, k, v, do, scale, causal)[3]["p"].T @ do * scale
-            if hint is None and name == "dv" and reproduces(got[i], scaled_dv, truth[i]) is not None:
+            hint = _diagnose(got[i], _grads_mistakes(q, k, v, do, scale, causal, i), truth[i])
+            if hint is None and name == "dv" and _matches(got[i], grads64(q, k, v, do, scale, causal)[3]["p"].T @ do * scale, truth[i]):
                 hint = "dV = Pᵀ dO: no sm_scale in it (V is not scaled in the forward)"
-            report.fail(line, hint)
+            _fail(report, line, hint)
             return False
     return True
 
@@ -220,7 +242,7 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
         q, k, v, do = _head(rng, n_q, n_k, d, ls)
         scale = 1 / math.sqrt(d)
         *_, x = grads64(q, k, v, do, scale, causal)
-        o, lse = exact_f32(x["o"]), exact_f32(x["lse"])
+        o, lse = _exact32(x["o"]), _exact32(x["lse"])
         what = (f"N_Q={n_q}, N_K={n_k}, d={d}, block_m={bm}, block_n={bn}{', causal' if causal else ''}"
                 f"{', scores of ±1000' if ls > 100 else ''}")
         t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
@@ -239,12 +261,12 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
         p_nolse = np.exp(s - s.max(axis=1, keepdims=True)) if not causal else None
         if p_nolse is not None:
             dv_tile_norm = p_nolse.T @ do      # P without the lse: exp(S - max), not divided by the row sum
-            if reproduces(got[2], dv_tile_norm, truth[2]) is not None:
+            if _matches(got[2], dv_tile_norm, truth[2]):
                 return report.fail(f"dv, {what}: P = exp(S − lse) with the saved lse, which holds the max and the "
                                    "row sum: a tile's own max or sum is not the row's")
         if causal:  # P = exp(S - lse) left unmasked: the lse leaves the masked keys out, exp(S - lse) does not
             unmasked = unmasked_grads64(q, k, v, do, scale)
-            if any(reproduces(g, u, t) is not None for g, u, t in zip(got, unmasked, truth)):
+            if any(_matches(g, u, t) for g, u, t in zip(got, unmasked, truth)):
                 return report.fail(f"{what}: the gradients include keys after their query: with causal=True, set P to "
                                    "0 where key j > query i (the lse leaves those keys out, but exp(S − lse) does not)")
         if not _check_grads(report, got, q, k, v, do, scale, causal, what, _floor(q, k, scale, 1.2e-7)):
@@ -284,7 +306,7 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
             cases.append((2, 200, 300, 64, 32, 64, "bf16", 30.0))
     for i, (heads, n_q, n_k, d, bm, bn, dtype, ls) in enumerate(cases):
         rng = np.random.default_rng(7500 + i)
-        dt = torch_dtype(dtype)
+        dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         heads_in = [_head(rng, n_q, n_k, d, ls) for _ in range(heads)]
         # what the kernel is given, rounded to its dtype: the truth is computed from exactly these
         rnd = lambda a: to_numpy(torch.from_numpy(a).to(dt).float()).astype(np.float64)  # noqa: E731
@@ -292,8 +314,8 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         scale = 1 / math.sqrt(d)
         stats = [grads64(q[h], k[h], v[h], do[h], scale)[3] for h in range(heads)]
         o = np.stack([rnd(s["o"]) for s in stats])                  # the forward's output, in the dtype
-        lse = np.stack([exact_f32(s["lse"]) for s in stats])
-        delta = np.stack([exact_f32((do[h] * o[h]).sum(axis=1)) for h in range(heads)])
+        lse = np.stack([_exact32(s["lse"]) for s in stats])
+        delta = np.stack([_exact32((do[h] * o[h]).sum(axis=1)) for h in range(heads)])
         poison = POISON if dtype == "fp32" else HALF_POISON
         _, tq = framed(q, dtype, NAN, pad_rows=bm)
         _, tdo = framed(do, dtype, NAN, pad_rows=bm)
@@ -346,11 +368,11 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
                 return report.fail(f"{what}: {name} is all zeros: is the loop body still a stub?")
             ok, line = compare(got, truth, r, what=f"{name}, {what}", rtol_floor=floor)
             if not ok:
-                hint = diagnose(got, mistakes_of[name], truth=truth, first=True)
+                hint = _diagnose(got, mistakes_of[name], truth)
                 if hint is None and not np.isfinite(got).all():
                     hint = ("queries past N_Q lie outside the head (here NaN): load q, do, lse and D with "
                             "mask=offs_m < N_Q (other=0.0)")
-                return report.fail(line, hint)
+                return _fail(report, line, hint)
         report.ok(f"{what}: dk and dv match")
 
     # speed, on a GPU: against PyTorch's SDPA backward (which also computes dQ), timed now
@@ -429,7 +451,7 @@ def grade_query_range(report: Report, query_range):
             continue
         hint = next((h for fn, h in hints if (m_start, m_full) == fn(start_n, bm, bn)), None)
         k0 = start_n * bn
-        return report.fail(f"{call} returned ({m_start}, {m_full}), expected {want} (keys {k0}..{k0 + bn - 1}, "
+        return _fail(report, f"{call} returned ({m_start}, {m_full}), expected {want} (keys {k0}..{k0 + bn - 1}, "
                              f"{n_q} queries)", hint or "m_start: the query tile holding key k0; m_full: the first "
                                                         "multiple of block_m at or after k0 + block_n - 1")
     report.ok(f"query_range: all {len(cases)} key tiles get the right skipped, masked and full query tiles")
@@ -474,7 +496,7 @@ def grade_function(report: Report, FlashAttentionFn):
                             for b in range(B) for h in range(H)]).reshape(B, H, n_q, d)
         ok, line = compare(to_numpy(out.float()), o_truth, None, what=f"o, {what}", rtol_floor=64 * float(torch.finfo(dt).eps))
         if not ok:
-            return report.fail(line, "the forward returns o from flash_attention(q, k, v, causal=causal)")
+            return _fail(report, line, "the forward returns o from flash_attention(q, k, v, causal=causal)")
         # what the forward kept for the backward: saved tensors and tensors stored on ctx
         kept = list(getattr(out.grad_fn, "saved_tensors", ()))
         kept += [t for t in vars(out.grad_fn).values() if isinstance(t, torch.Tensor)] if hasattr(out.grad_fn, "__dict__") else []
@@ -500,11 +522,11 @@ def grade_function(report: Report, FlashAttentionFn):
             if not ok:
                 hint = None
                 others = [np.stack([g[m] for g in per_head]).reshape(leaves[m].shape) for m in range(3) if m != j]
-                if any(o.shape == truth.shape and reproduces(grads[j], o, truth) is not None for o in others):
+                if any(o.shape == truth.shape and _matches(grads[j], o, truth) for o in others):
                     hint = "backward returns the gradients in the order of forward's inputs: (dq, dk, dv, None)"
-                elif causal and reproduces(grads[j], np.stack([unmasked_grads64(q[b, h], k[b, h], v[b, h], do[b, h],
-                                                                             1 / math.sqrt(d))[j] for b in range(B)
-                                                            for h in range(H)]).reshape(truth.shape), truth) is not None:
+                elif causal and _matches(grads[j], np.stack([unmasked_grads64(q[b, h], k[b, h], v[b, h], do[b, h],
+                                                                              1 / math.sqrt(d))[j] for b in range(B)
+                                                             for h in range(H)]).reshape(truth.shape), truth):
                     hint = "the backward must use the same causal flag as the forward: keep it on ctx"
-                return report.fail(line, hint)
+                return _fail(report, line, hint)
         report.ok(f"{what}: o and the gradients match; the forward keeps {len(kept)} tensors, none N_Q × N_K")

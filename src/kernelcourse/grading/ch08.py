@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..world import world
-from .harness import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, number, speed_vs_peer
+from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, number, speed_vs_peer
 from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
                    nothing_written, outside_writes, rand, sizes, tolerance)
 
