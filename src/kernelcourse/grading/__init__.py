@@ -13,8 +13,9 @@ the tolerance, ``compare``, Triton launches, naming a typical mistake), which ga
 below it: ``reporting.py`` (a ``Report`` of lines, the table), ``running.py`` (learner code under a
 time limit, in a child process), ``speed.py`` (speed checks on a GPU) and ``addresses.py`` (the
 interpreter's check of every load and store). ``attention64.py`` holds chapters 06-07's float64
-attention, exact and with the typical bugs. Imports run one way: chapters -> harness -> the rest;
-this module, on top, loads a chapter's graders when one of its exercises is checked.
+attention, exact and with the typical bugs. Imports run one way: a chapter takes the harness's names
+from ``harness`` or from this package, which re-exports them; this package imports the harness, and
+loads a chapter's graders only when one of its exercises is checked, so nothing imports a chapter.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from .harness import POISON, Report, call, compare, exercise, explain, fresh_rng, number, poisoned, sizes
+from . import POISON, Report, call, compare, exercise, explain, fresh_rng, number, poisoned
+from .harness import sizes
 
 GUARD = 64  # poisoned elements past the end of every output, to catch writes beyond n
 
@@ -271,7 +272,7 @@ def grade_matrix_add_speed(report: Report, matrix_add):
         return
     import torch
 
-    from .harness import speed_vs_roof
+    from . import speed_vs_roof
 
     rows, cols = SPEED_SHAPE
     ta, tb = (torch.randn(rows, cols, device="cuda") for _ in range(2))

@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
+from . import Report, Stop, as_number, call, exercise, fresh_rng
 from . import harness
-from .harness import Report, Stop, as_number, call, exercise, fresh_rng
 
 RTOL = 1e-4
 

@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
+from . import Report, call, exercise, fresh_rng, number
 from . import harness
-from .harness import Report, call, exercise, fresh_rng, number
 
 STATS_ITEMSIZE = 4  # PyTorch's GPU LayerNorm keeps its mean and rstd in float32 whatever x's dtype
 

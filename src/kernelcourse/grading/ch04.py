@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from .harness import POISON, Report, compare, exercise, explain
+from . import POISON, Report, compare, exercise, explain
 
 # The Triton grading harness (``harness``), re-exported here for the graders that import it from ch04.
 from .harness import (  # noqa: F401
@@ -344,7 +344,7 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
         report.not_graded(f"{what} at {SHORT_ROWS_AT_LEAST:.0%} of a copy's bandwidth: speed needs a GPU "
                           "(not graded here)")
         return
-    from .harness import speed_vs_roof
+    from . import speed_vs_roof
 
     x = torch.randn(rows, cols, device="cuda", dtype=torch.float16)
     w = torch.rand(cols, device="cuda", dtype=torch.float16) + 0.5

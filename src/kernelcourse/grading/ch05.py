@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from .harness import POISON, Report, call, compare, exercise, explain
+from . import POISON, Report, call, compare, exercise, explain
 from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
                    nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance)
 
@@ -296,7 +296,7 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
     if not world().gpu:
         report.not_graded(f"{what} at {SPEED_VS_CUBLAS:g}x cuBLAS: speed needs a GPU (not graded here)")
         return
-    from .harness import speed_vs_peer
+    from . import speed_vs_peer
 
     a = torch.randn(n, n, device="cuda", dtype=torch.float16)
     b = torch.randn(n, n, device="cuda", dtype=torch.float16)

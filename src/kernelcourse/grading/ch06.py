@@ -794,7 +794,7 @@ def grade_causal_speed(report: Report, causal_attention_kernel):
     import torch
 
     from ..attention import flash_attention_v1_kernel
-    from .harness import speed_vs_peer
+    from . import speed_vs_peer
 
     if (msg := not_a_kernel(causal_attention_kernel, "causal_attention_kernel")):
         return report.fail(msg)

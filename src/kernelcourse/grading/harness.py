@@ -31,7 +31,7 @@ from .running import (Stop, TimeLimit, as_number, as_tuple, call, explain, guard
 from .speed import speed_vs_peer, speed_vs_roof  # noqa: F401
 
 
-# ---- random cases ----------------------------------------------------------------------------------
+# ---- random cases (``rand`` and ``sizes``, the values and sizes of inputs, close the file) ------------
 
 
 def fresh_rng(report: Report) -> np.random.Generator:
@@ -44,18 +44,6 @@ def fresh_rng(report: Report) -> np.random.Generator:
     text = os.environ.get(SEED_VARIABLE, "").strip()
     report.seed = int(text) if text.isdigit() else int(np.random.SeedSequence().entropy % 1_000_000)
     return np.random.default_rng(report.seed)
-
-
-def rand(rng, shape, scales=(1.0, 3.0)):
-    """Normal values with mixed scales (one scale: that scale), never exactly zero."""
-    x = rng.standard_normal(shape) * (scales[0] if len(scales) == 1 else rng.choice(scales, size=shape))
-    return np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x)
-
-
-def sizes(cpu: list, gpu_extra: list) -> list:
-    """``cpu`` sizes, and ``gpu_extra`` too on a GPU: on the CPU, Triton's interpreter and numba's
-    simulator run every program (every thread) one after another in Python, so sizes stay small."""
-    return cpu + (gpu_extra if world().gpu else [])
 
 
 def separating(rng, draw, values, close, tries: int = 1000):
@@ -385,3 +373,14 @@ def compare_rows(got, truth, reference, what: str, mistakes_of=None, nonfinite: 
             return False, line
         worst = max(worst, float(np.max(np.abs(got[i].astype(np.float64) - truth[i]))) if truth[i].size else 0.0)
     return True, f"{what}: all {got.size} elements match (max error {worst:.2g})"
+
+
+def rand(rng, shape, scales=(1.0, 3.0)):
+    """Normal values with mixed scales (one scale: that scale), never exactly zero."""
+    x = rng.standard_normal(shape) * (scales[0] if len(scales) == 1 else rng.choice(scales, size=shape))
+    return np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x)
+
+
+def sizes(cpu: list, gpu_extra: list) -> list:
+    # The interpreter runs programs one after another in Python: small sizes on the CPU.
+    return cpu + (gpu_extra if world().gpu else [])
