@@ -26,7 +26,6 @@ from .harness import (HALF_POISON, LN2, LOG2E, NAN, POISON, Report, as_tuple, ca
 from .attention64 import attention64, causal_from_zero, tiled64
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
-_np = to_numpy
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -124,8 +123,8 @@ def grade_combine(report: Report, combine_splits):
                 return
             # PyTorch's own float32 way, for the tolerance: weights from softmax over the lse
             wts = torch.softmax(l32, dim=0)
-            ref_o = _np((wts[..., None] * o32).sum(dim=0)).astype(np.float64)
-            ref_lse = _np(torch.logsumexp(l32, dim=0)).astype(np.float64)
+            ref_o = to_numpy((wts[..., None] * o32).sum(dim=0)).astype(np.float64)
+            ref_lse = to_numpy(torch.logsumexp(l32, dim=0)).astype(np.float64)
             mistakes, _ = _combine_mistakes(exact_f32(outs), exact_f32(lses))
             ok, line = _check(got[1], truth_lse, ref_lse, what=f"lse, {what}")
             if not ok:
@@ -232,7 +231,7 @@ def grade_online_stats(report: Report, online_softmax_stats):
             x32 = torch.from_numpy(np.concatenate(blocks))
             l_ref = float(torch.exp(x32 - x32.max()).sum())
             try:
-                m_got, l_got = float(_np(got[0]).reshape(-1)[0]), float(_np(got[1]).reshape(-1)[0])
+                m_got, l_got = float(to_numpy(got[0]).reshape(-1)[0]), float(to_numpy(got[1]).reshape(-1)[0])
             except (TypeError, ValueError, IndexError):
                 return report.fail(f"{what}: returned {got!r}: return two numbers (m, l)")
             mistakes = _stats_mistakes(blocks)
@@ -259,8 +258,8 @@ def _worst_of(truth_o, truth_lse, scores, v):
 
     worst = None
     for s in scores:
-        o = _np(torch.softmax(s, dim=-1) @ v).astype(np.float64)
-        lse = _np(torch.logsumexp(s, dim=-1)).astype(np.float64)
+        o = to_numpy(torch.softmax(s, dim=-1) @ v).astype(np.float64)
+        lse = to_numpy(torch.logsumexp(s, dim=-1)).astype(np.float64)
         err = (np.max(np.abs(o - truth_o)), np.max(np.abs(lse - truth_lse)))
         if worst is None:
             worst = [o, lse, err]
@@ -412,10 +411,10 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
                        tq.stride(0), tk.stride(0), tv.stride(0), to.stride(0), n_q, n_k,
                        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn):
             return
-        got = _np(to.float() if dtype != "fp32" else to)
-        qs, ks, vs = (_np(t.float()).astype(np.float64) for t in (tq, tk, tv))
+        got = to_numpy(to.float() if dtype != "fp32" else to)
+        qs, ks, vs = (to_numpy(t.float()).astype(np.float64) for t in (tq, tk, tv))
         truth = np.stack([attention64(qs[h], ks[h], vs[h], scale)[0] for h in range(heads)])
-        ref = _np((torch.softmax((tq @ tk.transpose(-2, -1)) * scale, dim=-1) @ tv).float()).astype(np.float64)
+        ref = to_numpy((torch.softmax((tq @ tk.transpose(-2, -1)) * scale, dim=-1) @ tv).float()).astype(np.float64)
         tail, large = n_k % bn != 0, ls > 10
         unwritten = got == np.float32(poison)
         if unwritten.all():
@@ -617,7 +616,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         if got is None:
             return report.fail("lse_from_state returned None: did you forget `return`?")
         tm, tl_ = torch.tensor(m2, dtype=torch.float32), torch.tensor(l2, dtype=torch.float32)
-        ref = _np(tm * LN2 + torch.log(tl_)).astype(np.float64)
+        ref = to_numpy(tm * LN2 + torch.log(tl_)).astype(np.float64)
         ok, line = _check(got, truth, ref, what=f"lse_from_state, {what}", floor=8)
         if not ok:
             mistakes = [("the state is in base 2: lse = (m2 + log2(l2)) · ln 2; you returned m2 + log2(l2), "
@@ -648,7 +647,8 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         got = call(report, what, probs_from_lse, tq, tk, torch.tensor(lse32, dtype=torch.float32), scale)
         if got is None:
             return report.fail(f"{what}: returned None: did you forget `return`?")
-        ref = _np(torch.exp(tq @ tk.T * scale - torch.tensor(lse32, dtype=torch.float32)[:, None])).astype(np.float64)
+        ref = to_numpy(torch.exp(tq @ tk.T * scale - torch.tensor(lse32, dtype=torch.float32)[:, None]))
+        ref = ref.astype(np.float64)
         ok, line = _check(got, truth, ref, what=what)
         if not ok:
             mistakes = [("scale the scores first: P = exp(q kᵀ · sm_scale - lse)", np.exp(q @ k.T - lse32[:, None])),
@@ -698,12 +698,12 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
     if not _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn):
         return False
     poison = np.float32(POISON if dtype == "fp32" else HALF_POISON)
-    got = _np(to.float() if dtype != "fp32" else to)
-    qs, ks, vs = (_np(t.float()).astype(np.float64) for t in (tq, tk, tv))
+    got = to_numpy(to.float() if dtype != "fp32" else to)
+    qs, ks, vs = (to_numpy(t.float()).astype(np.float64) for t in (tq, tk, tv))
     scale = 1.0 / math.sqrt(d)
     truth = np.stack([attention64(qs[h], ks[h], vs[h], scale, causal=True)[0] for h in range(heads)])
     keep = np.tril(np.ones((n_q, n_k), dtype=bool))
-    ref = _np((torch.softmax((tq @ tk.transpose(-2, -1) * scale).masked_fill(
+    ref = to_numpy((torch.softmax((tq @ tk.transpose(-2, -1) * scale).masked_fill(
         ~torch.from_numpy(keep).to(tq.device), float("-inf")), dim=-1) @ tv).float()).astype(np.float64)
     if (got == poison).all():
         report.fail(f"{what}: no output was written: is the causal part still a stub?")
