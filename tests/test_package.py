@@ -182,6 +182,42 @@ def test_compare_tolerance_follows_the_reference_error():
     assert not grading.compare(np.array([1.0, 2.003]), truth, ref, what="t")[0]
 
 
+def test_a_failing_line_carries_its_hint_after_a_colon():
+    lines = []
+    report = grading.Report(exercise=None, sink=lines.append)
+    report.fail("max error 0.5", "mask the tail")
+    report.fail("max error 0.5", None)
+    assert lines == ["✘ max error 0.5: mask the tail", "✘ max error 0.5"] and report.failures == 2
+
+
+def test_compare_returned_says_when_learner_code_returns_no_numbers():
+    from kernelcourse.grading.harness import compare_returned, exact_f32
+
+    truth = exact_f32([1.0, 1 / 3])
+    assert compare_returned([1, 1 / 3], truth, None, "t", 1e-6)[0]
+    ok, line = compare_returned(["a", "b"], truth, None, "t", 1e-6)
+    assert not ok and line.startswith("t: got ndarray of <U1, expected numbers")
+
+
+def test_diagnose_by_distance_or_by_order():
+    from kernelcourse.grading.harness import diagnose
+
+    truth = np.arange(1.0, 6.0)
+    mistakes = [("listed first", truth + 1.0), ("closest", truth + 1.0 + 1e-9)]
+    got = truth + 1.0 + 1e-9
+    assert diagnose(got, mistakes, truth=truth) == "closest"
+    assert diagnose(got, mistakes, truth=truth, first=True) == "listed first"
+
+
+def test_separating_finds_a_case_that_tells_the_mistakes_apart():
+    from kernelcourse.grading.harness import separating
+
+    rng = np.random.default_rng(0)
+    # answer n, mistakes 2n and n + 1: only n = 1 makes 2n and n + 1 equal
+    case = separating(rng, lambda r: int(r.integers(1, 3)), lambda n: [n, 2 * n, n + 1], lambda a, b: a == b)
+    assert case == 2
+
+
 def test_time_limit_interrupts():
     with pytest.raises(grading.TimeLimit):
         with grading.time_limit(0.2):
@@ -197,7 +233,7 @@ def test_unknown_learner_exception_is_one_line():
     assert line.startswith("KeyError") and "\n" not in line
 
 
-@pytest.mark.skipif(not grading._can_isolate(),
+@pytest.mark.skipif(not grading.can_isolate(),
                     reason="graders run in this process on a GPU (CUDA does not survive fork): a crash would end it")
 def test_a_crash_in_learner_code_fails_only_that_exercise():
     import ctypes

@@ -4,7 +4,9 @@ Every notebook starts with one code cell tagged ``bootstrap``. It is written by
 ``python tools/notebooks.py`` from ``_config.yml`` (``repository.url`` is the one place the course's
 address lives) and from the package's version in ``pyproject.toml``: on Colab the cell installs the
 helper package from the release tag ``v<version>``, never from a moving branch, so a notebook gets the
-package it was written against. ``--check`` fails when a notebook's setup cell differs.
+package it was written against. On the website the cell is folded behind a one-line label (the tag
+``hide-input`` and myst-nb's ``code_prompt_show``), its output shown; in the notebook it stays as it is,
+the first cell to run. ``--check`` fails when a notebook's setup cell differs.
 """
 from __future__ import annotations
 
@@ -21,6 +23,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("notebooks", "solutions", "exercises")
 BOOTSTRAP_TAG = "bootstrap"
+# The website folds the setup cell (its output, the world it picked, stays shown) behind this label.
+BOOTSTRAP_METADATA = {
+    "tags": [BOOTSTRAP_TAG, "hide-input"],
+    "mystnb": {"code_prompt_show": "Setup: installs the course's package on Colab, then picks the GPU or the CPU "
+                                   "(show the code)",
+               "code_prompt_hide": "Hide the setup code"},
+}
 
 BOOTSTRAP = '''\
 # Setup: picks the world (GPU, or CPU with Triton's interpreter and numba's CUDA simulator).
@@ -88,7 +97,18 @@ def bootstrap_problem(nb) -> str | None:
         return f"the first code cell must be the setup cell tagged '{BOOTSTRAP_TAG}'"
     if code[0].source != bootstrap_source():
         return "the setup cell differs from the one _config.yml gives"
+    tags, labels = code[0].metadata.get("tags", []), code[0].metadata.get("mystnb", {})
+    if any(t not in tags for t in BOOTSTRAP_METADATA["tags"]) or any(
+            labels.get(k) != v for k, v in BOOTSTRAP_METADATA["mystnb"].items()):
+        return "the setup cell is not folded on the website (its tags or its label differ)"
     return None
+
+
+def fold(cell) -> None:
+    """Give the setup cell the tags and label that fold it on the website, keeping any other tags."""
+    tags = cell.metadata.setdefault("tags", [])
+    tags += [t for t in BOOTSTRAP_METADATA["tags"] if t not in tags]
+    cell.metadata.setdefault("mystnb", {}).update(BOOTSTRAP_METADATA["mystnb"])
 
 
 def main() -> int:
@@ -108,9 +128,11 @@ def main() -> int:
         code = [c for c in nb.cells if c.cell_type == "code"]
         if code and is_bootstrap(code[0]):
             code[0].source = bootstrap_source()
+            fold(code[0])
         else:
             cell = nbformat.v4.new_code_cell(bootstrap_source(), metadata={"tags": [BOOTSTRAP_TAG]})
             cell.id = "setup"
+            fold(cell)
             first_code = nb.cells.index(code[0]) if code else len(nb.cells)
             nb.cells.insert(first_code, cell)
         write(nb, path)

@@ -6,6 +6,18 @@ Submodules load on first use: ``kc.bench``, ``kc.grading``, ``kc.plots``, ``kc.c
 ``kc.roofline`` (chapter 02), ``kc.ledger`` (chapter 03), ``kc.kernels`` (chapters 04-05),
 ``kc.attention`` (chapter 06), ``kc.attention_backward`` (chapter 07),
 ``kc.transformer`` (chapter 08).
+
+A tour, from the bottom up; each module imports only modules listed before it
+(tests/test_imports.py checks it, layer by layer):
+
+- ``world``: which machine this is (GPU or CPU), ``setup()``, versions. ``bench``: timing, and the
+  GPU results recorded for readers without one. ``plots``: the lessons' shared figures.
+- ``cuda_cpp`` (CUDA C++, chapter 01), ``roofline``, ``ledger``: tools a lesson uses.
+- ``kernels``, ``attention``, ``attention_backward``, ``transformer``: the course's finished kernels,
+  one module per chapter, each a reference for the lesson that builds it.
+- ``grading``: the exercises' graders, ``grading/chNN.py`` per chapter over one ``grading/harness.py``
+  (see ``grading``'s own tour). ``grade``: the command ``python -m kernelcourse.grade`` that runs
+  exercise notebooks and prints the table. ``pytest_plugin``: picks the world for the course's tests.
 """
 import importlib
 

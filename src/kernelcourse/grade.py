@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
-import textwrap
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import nbformat
 
-MESSAGE_WIDTH = 90  # the report's message column wraps here, so a terminal shows it whole
-GRADER = re.compile(r"""kc\.grading\.check\(\s*["'](\d\d\.\d+)["']\s*,\s*globals\(\)\s*\)""")
-
-
-@dataclass
-class Row:
-    notebook: str
-    exercise: str
-    passed: bool
-    message: str
-    not_graded: bool = False  # every check made here passed, and some could not be made here (speed on the CPU)
-
+from . import grading
+from .grading.reporting import GRADER, Row, not_graded_in, render, summary
 
 INSTALL_HINT = ("grading a notebook from the command line needs nbclient and ipykernel: "
                 "run `pip install nbclient ipykernel` and try again")
@@ -91,26 +79,6 @@ def run_notebook(path: Path, cell_timeout: int = 600) -> tuple[dict[int, tuple[b
     return results, stopped
 
 
-def _lines(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def _not_graded(passed: bool, text: str) -> bool:
-    return passed and any(line.startswith("–") for line in _lines(text))
-
-
-def _message(passed: bool, text: str) -> str:
-    lines = _lines(text)
-    if passed:
-        checks = sum(1 for line in lines if line.startswith("✔"))
-        skipped = [line[1:].strip() for line in lines if line.startswith("–")]
-        if skipped:
-            return f"{checks} checks passed; not graded here: {'; '.join(skipped)}"
-        return f"{checks} checks passed"
-    failed = [line for line in lines if line.startswith("✘")]
-    return (failed[0][1:].strip() if failed else (lines[-1] if lines else "failed"))
-
-
 def grade(paths: list[Path], cell_timeout: int = 600) -> list[Row]:
     rows = []
     for path in paths:
@@ -129,8 +97,8 @@ def grade(paths: list[Path], cell_timeout: int = 600) -> list[Row]:
             if result is None:
                 rows.append(Row(path.stem, ex, False, stopped or "the grader cell did not run"))
             else:
-                skipped = _not_graded(*result)
-                rows.append(Row(path.stem, ex, result[0] and not skipped, _message(*result), skipped))
+                skipped = not_graded_in(*result)
+                rows.append(Row(path.stem, ex, result[0] and not skipped, summary(*result), skipped))
         expected = _expected(path.stem)
         for ex in sorted(expected - seen):
             rows.append(Row(path.stem, ex, False, "no grader cell for this exercise: was it deleted?"))
@@ -140,32 +108,11 @@ def grade(paths: list[Path], cell_timeout: int = 600) -> list[Row]:
 
 
 def _expected(stem: str) -> set[str]:
-    from . import grading
-
     chapter = stem[:2]
     try:
         return {e.id for e in grading.exercises(chapter)}
     except ModuleNotFoundError:
         return set()
-
-
-def render(rows: list[Row]) -> str:
-    head = ("chapter", "exercise", "result", "message")
-    body = [(r.notebook, r.exercise, "pass" if r.passed else "not graded" if r.not_graded else "FAIL", r.message)
-            for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head[:3])]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths)) + "  " + head[3]]
-    indent = " " * (sum(widths) + 2 * len(widths))
-    for b in body:
-        message = textwrap.wrap(b[3], width=MESSAGE_WIDTH) or [""]
-        lines.append("  ".join(c.ljust(w) for c, w in zip(b[:3], widths)) + "  " + message[0])
-        lines += [indent + more for more in message[1:]]
-    passed, skipped = sum(r.passed for r in rows), sum(r.not_graded for r in rows)
-    score = f"Score: {passed}/{len(rows)} exercises passed"
-    if skipped:
-        score += f"; {skipped} not graded here (speed needs a GPU; the checks that could run passed)"
-    lines.append(score)
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

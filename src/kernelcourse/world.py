@@ -76,9 +76,14 @@ def versions() -> dict:
     }
 
 
-def _nvcc_version() -> str:
-    from .cuda_cpp import nvcc
+def nvcc() -> str | None:
+    """The path of CUDA's compiler nvcc on this machine, or None (``kc.cuda_cpp`` compiles with it)."""
+    import shutil
 
+    return shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None)
+
+
+def _nvcc_version() -> str:
     exe = nvcc()
     if exe is None:
         return "not installed"

@@ -5,13 +5,9 @@ import numpy as np
 
 from ..world import world
 from . import POISON, Report, call, compare, exercise, explain, fresh_rng, number, poisoned
+from .harness import sizes
 
 GUARD = 64  # poisoned elements past the end of every output, to catch writes beyond n
-
-
-def _sizes(cpu: list[int], gpu_extra: list[int]) -> list[int]:
-    # The simulator runs every CUDA thread as a Python thread: keep CPU sizes small.
-    return cpu + (gpu_extra if world().gpu else [])
 
 
 def _rand(rng, shape):
@@ -50,7 +46,7 @@ def grade_add_kernel(report: Report, add_kernel):
     if (msg := _is_kernel(add_kernel)):
         return report.fail(f"add_kernel {msg}")
     block = 128
-    for n in _sizes([1, 1000, 4099], [1 << 20 | 3]):
+    for n in sizes([1, 1000, 4099], [1 << 20 | 3]):
         for seed in (0, 1):
             rng = np.random.default_rng(1000 * n + seed)
             x, y = _rand(rng, n), _rand(rng, n)

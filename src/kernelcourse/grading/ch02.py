@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from . import Report, Stop, as_number, call, exercise, fresh_rng
+from . import harness
 
 RTOL = 1e-4
 
@@ -50,14 +51,9 @@ def _grade_number(report: Report, fn, name: str, cases: list[dict], truth, mutan
         return
 
 
-def separating(rng, draw, truth, mutants, tries: int = 1000) -> dict:
+def separating(rng, draw, truth, mutants) -> dict:
     """A case from ``draw(rng)`` on which the answer and every known mistake give different numbers."""
-    for _ in range(tries):
-        case = draw(rng)
-        values = [truth(**case)] + [wrong for wrong, _ in mutants(**case)]
-        if all(not _close(a, b) for i, a in enumerate(values) for b in values[i + 1:]):
-            return case
-    return case
+    return harness.separating(rng, draw, lambda case: [truth(**case)] + [w for w, _ in mutants(**case)], _close)
 
 
 # ---- 02.2 FLOPs and minimal bytes of a matmul -------------------------------------------------------------
@@ -325,7 +321,7 @@ def _grade_selection(report: Report, what: str, got: list, want: list, describe,
         return True
     hint = next((h for wrong, h in mistakes if sorted(map(str, got)) == sorted(map(str, wrong))
                  and sorted(map(str, wrong)) != sorted(map(str, want))), None)
-    report.fail(f"{what} returned {describe(got)}, expected {describe(want)}" + (f": {hint}" if hint else ""))
+    report.fail(f"{what} returned {describe(got)}, expected {describe(want)}", hint)
     return False
 
 

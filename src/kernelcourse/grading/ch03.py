@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from . import Report, call, exercise, fresh_rng, number
+from . import harness
 
 STATS_ITEMSIZE = 4  # PyTorch's GPU LayerNorm keeps its mean and rstd in float32 whatever x's dtype
 
@@ -45,15 +46,10 @@ def _grade_numbers(report: Report, fn, name: str, cases, truth, wrong, unit: str
         return
 
 
-def separating(rng, draw, truth, wrong, tries: int = 1000):
+def separating(rng, draw, truth, wrong):
     """A case from ``draw(rng)`` on which the answer and every known mistake give different numbers,
     so that the hint of a first failing case names the right mistake."""
-    for _ in range(tries):
-        case = draw(rng)
-        values = [truth(*case)] + [value for value, _ in wrong(*case)]
-        if all(not _close(a, b) for i, a in enumerate(values) for b in values[i + 1:]):
-            return case
-    return case
+    return harness.separating(rng, draw, lambda case: [truth(*case)] + [v for v, _ in wrong(*case)], _close)
 
 
 def _cases(count: int):

@@ -6,7 +6,13 @@ load past ``N_K`` shows, and outputs framed by poison. Every input set includes 
 or more, where an ``exp`` without the running max overflows, a number of keys that is not a multiple
 of the tile, and several seeds. Results are compared with a float64 truth; when one is wrong, the
 grader recomputes the typical mistakes (no rescale, no tail mask, base e instead of base 2...) in
-float64 and names the one that matches.
+float64 and names the one that matches (the float64 attention, exact and with each bug, is in
+``attention64.py``; what every grader shares, in ``harness.py``).
+
+One section per exercise, in the chapter's order, each its cases, then its checks and messages:
+06.1 combining split-KV results, 06.2 one-pass softmax statistics, 06.3 tiled attention in PyTorch,
+06.4 the Triton inner loop, 06.5 which tiles the causal mask needs, 06.6 the log-sum-exp from the
+kernel's base-2 state, 06.7 the causal kernel in Triton, 06.8 that kernel graded on speed.
 """
 from __future__ import annotations
 
@@ -15,84 +21,21 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, as_tuple, call, compare, exercise, guarded, tolerance_of
+from .harness import (HALF_POISON, LN2, LOG2E, NAN, POISON, Report, as_tuple, call, compare, compare_returned,
+                      exact_f32, exercise, guarded, tolerance_of)
+from .attention64 import attention64, causal_from_zero, tiled64
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
-_np = to_numpy
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-NAN = float("nan")
-HALF_POISON = -32768.0  # the poison of float16 and bfloat16 outputs: exact in both, and no attention output
 
 
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _check(report: Report, got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool, str]:
+def _check(got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool, str]:
     """compare() with a float32 floor of ``floor`` rounding steps of the largest value: an online
     algorithm rounds at every rescale, so it may differ from PyTorch's direct computation by more
     than PyTorch's own error, but by nothing like a mistake."""
-    got = _np(got)
-    if got.dtype == object or not np.issubdtype(got.dtype, np.number):
-        return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
-    if not np.issubdtype(got.dtype, np.floating):
-        got = got.astype(np.float64)
-    return compare(got, truth, reference, what=what, rtol_floor=floor * float(np.finfo(np.float32).eps))
-
-
-def _fail(report: Report, line: str, hint: str | None) -> None:
-    report.fail(f"{line}: {hint}" if hint else line)
-
-
-def attention64(q, k, v, scale, causal=False, keep=None, fill=-np.inf):
-    """Float64 attention of one head: q (R, d), k and v (N, d) -> (o (R, d), lse (R,)).
-
-    ``causal`` keeps key j for query i when j <= i (top-left); ``keep`` is any (R, N) boolean mask
-    instead, and ``fill`` what the masked scores become (a wrong answer may use 0). A row with no key
-    left gives NaN, as 0 / 0 does in a learner's code.
-    """
-    s = (q @ k.T) * scale
-    if causal:
-        keep = np.tril(np.ones(s.shape, dtype=bool))
-    if keep is not None:
-        s = np.where(keep, s, fill)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    return (p @ v) / l, (m + np.log(l))[:, 0]
-
-
-def tiled64(q, k, v, scale, block_n, bug=None):
-    """Tiled attention of one head in float64, the way a kernel does it, optionally with a typical
-    bug: "no_rescale_acc", "no_rescale_l", "no_rescale", "inverted_rescale", "tail_as_zero" (keys
-    past N padded with zeros and not masked), "no_normalise", "last_tile_missing", "max_from_zero" (the
-    running max started at 0, not -inf). Returns (o, lse)."""
-    n, d = k.shape
-    rows = q.shape[0]
-    m = np.zeros(rows) if bug == "max_from_zero" else np.full(rows, -np.inf)
-    l = np.zeros(rows)
-    acc = np.zeros((rows, v.shape[1]))
-    if bug == "tail_as_zero" and n % block_n:
-        pad = block_n - n % block_n
-        k = np.concatenate([k, np.zeros((pad, d))])
-        v = np.concatenate([v, np.zeros((pad, v.shape[1]))])
-        n = k.shape[0]
-    stop = (n // block_n) * block_n if bug == "last_tile_missing" else n
-    for n0 in range(0, stop, block_n):
-        s = (q @ k[n0:n0 + block_n].T) * scale
-        m_new = np.maximum(m, s.max(axis=1))
-        alpha = np.exp(m - m_new)
-        if bug == "inverted_rescale":
-            alpha = np.where(np.isfinite(m), np.exp(m_new - m), 0.0)
-        p = np.exp(s - m_new[:, None])
-        a_l = 1.0 if bug in ("no_rescale_l", "no_rescale") else alpha
-        a_acc = 1.0 if bug in ("no_rescale_acc", "no_rescale") else alpha
-        l = a_l * l + p.sum(axis=1)
-        acc = (a_acc * acc.T).T + p @ v[n0:n0 + block_n]
-        m = m_new
-    o = acc if bug == "no_normalise" else acc / l[:, None]
-    return o, m + np.log(l)
+    return compare_returned(got, truth, reference, what, floor * float(np.finfo(np.float32).eps))
 
 
 def _rand(rng, shape, scale=1.0):
@@ -180,25 +123,20 @@ def grade_combine(report: Report, combine_splits):
                 return
             # PyTorch's own float32 way, for the tolerance: weights from softmax over the lse
             wts = torch.softmax(l32, dim=0)
-            ref_o = _np((wts[..., None] * o32).sum(dim=0)).astype(np.float64)
-            ref_lse = _np(torch.logsumexp(l32, dim=0)).astype(np.float64)
+            ref_o = to_numpy((wts[..., None] * o32).sum(dim=0)).astype(np.float64)
+            ref_lse = to_numpy(torch.logsumexp(l32, dim=0)).astype(np.float64)
             mistakes, _ = _combine_mistakes(exact_f32(outs), exact_f32(lses))
-            ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}")
+            ok, line = _check(got[1], truth_lse, ref_lse, what=f"lse, {what}")
             if not ok:
-                return _fail(report, line, diagnose(got[1], [(h, l) for h, _, l in mistakes], truth=truth_lse))
-            ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}")
+                return report.fail(line, diagnose(got[1], [(h, l) for h, _, l in mistakes], truth=truth_lse))
+            ok, line = _check(got[0], truth_o, ref_o, what=f"output, {what}")
             if not ok:
                 hint = diagnose(got[0], [(h, o) for h, o, _ in mistakes], truth=truth_o)
                 if hint is None and "NaN or Inf" in line:
                     hint = ("an empty split (lse = -inf) must get weight exp(-inf - m) = 0; if every exponent is "
                             "huge, subtract the largest lse first")
-                return _fail(report, line, hint)
+                return report.fail(line, hint)
             report.ok(f"{what}: output and lse match")
-
-
-def exact_f32(x):
-    """Values rounded to float32 and back: what the learner's function was given."""
-    return np.asarray(x, dtype=np.float32).astype(np.float64)
 
 
 # ---- 06.2 one-pass softmax statistics ------------------------------------------------------------
@@ -293,7 +231,7 @@ def grade_online_stats(report: Report, online_softmax_stats):
             x32 = torch.from_numpy(np.concatenate(blocks))
             l_ref = float(torch.exp(x32 - x32.max()).sum())
             try:
-                m_got, l_got = float(_np(got[0]).reshape(-1)[0]), float(_np(got[1]).reshape(-1)[0])
+                m_got, l_got = float(to_numpy(got[0]).reshape(-1)[0]), float(to_numpy(got[1]).reshape(-1)[0])
             except (TypeError, ValueError, IndexError):
                 return report.fail(f"{what}: returned {got!r}: return two numbers (m, l)")
             mistakes = _stats_mistakes(blocks)
@@ -301,11 +239,11 @@ def grade_online_stats(report: Report, online_softmax_stats):
                          and (math.isclose(l_got, l, rel_tol=1e-4) or (math.isinf(l) and math.isinf(l_got))
                               or (l == 0 and l_got == 0))), None)
             if not math.isclose(m_got, m_true, rel_tol=0, abs_tol=1e-4 * max(1.0, abs(m_true))):
-                return _fail(report, f"{what}: m = {m_got:.6g}, expected the row's max {m_true:.6g}",
+                return report.fail(f"{what}: m = {m_got:.6g}, expected the row's max {m_true:.6g}",
                              hint or "m is the largest value seen: m = max(m, block.max()) after each block")
             tol = tolerance_of(l_true, l_ref, 64 * float(np.finfo(np.float32).eps))
             if not (math.isfinite(l_got) and abs(l_got - l_true) <= tol):
-                return _fail(report, f"{what}: l = {l_got:.6g}, expected {l_true:.6g}",
+                return report.fail(f"{what}: l = {l_got:.6g}, expected {l_true:.6g}",
                              hint or "l = Σ exp(x - m) over the whole row, with the running sum rescaled "
                                      "whenever m grows")
             report.ok(f"{what}: m = {m_true:.6g}, l = {l_true:.6g}")
@@ -320,8 +258,8 @@ def _worst_of(truth_o, truth_lse, scores, v):
 
     worst = None
     for s in scores:
-        o = _np(torch.softmax(s, dim=-1) @ v).astype(np.float64)
-        lse = _np(torch.logsumexp(s, dim=-1)).astype(np.float64)
+        o = to_numpy(torch.softmax(s, dim=-1) @ v).astype(np.float64)
+        lse = to_numpy(torch.logsumexp(s, dim=-1)).astype(np.float64)
         err = (np.max(np.abs(o - truth_o)), np.max(np.abs(lse - truth_lse)))
         if worst is None:
             worst = [o, lse, err]
@@ -335,16 +273,6 @@ def _worst_of(truth_o, truth_lse, scores, v):
 
 
 BELOW = -1000.0  # a logit scale below 0: every score of every row near this value, far below 0
-
-
-def _causal_from_zero(q, k, v, scale):
-    """Causal attention whose running max starts at 0: rows whose scores are all far below 0 give NaN."""
-    o, lse = attention64(q, k, v, scale, causal=True)
-    s = np.where(np.tril(np.ones((q.shape[0], k.shape[0]), dtype=bool)), q @ k.T * scale, -np.inf)
-    dead = np.exp(s).sum(axis=1) == 0  # exp(s - 0) underflows for every key of the row
-    o, lse = o.copy(), lse.copy()
-    o[dead], lse[dead] = np.nan, -np.inf
-    return o, lse
 
 
 def _attention_inputs(rng, n_q, n_k, d, logit_scale):
@@ -411,10 +339,10 @@ def grade_tiled_attention(report: Report, tiled_attention):
                          ("with causal=True, query i sees only the keys j <= i: mask the others", dict())]
                 mistakes = [(h, attention64(q, k, v, scale, **kw)) for h, kw in masks]
                 mistakes.append((bugs[-1][0], tiled64(q, k, v, scale, bn, "max_from_zero")) if not causal else
-                                (bugs[-1][0], _causal_from_zero(q, k, v, scale)))
+                                (bugs[-1][0], causal_from_zero(q, k, v, scale)))
             else:
                 mistakes = [(h, tiled64(q, k, v, scale, bn, bug)) for h, bug in bugs]
-            ok, line = _check(report, got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
+            ok, line = _check(got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
             if not ok:
                 hint = diagnose(got[0], [(h, o) for h, (o, _) in mistakes], truth=truth_o)
                 if hint is None and "NaN or Inf" in line:
@@ -422,8 +350,8 @@ def grade_tiled_attention(report: Report, tiled_attention):
                             "and start m at -inf, not 0")
                 elif hint is None and reproduces(got[0], attention64(q, k, v, 1.0)[0], truth_o) is not None:
                     hint = "scale the scores by 1/sqrt(d) before the softmax"
-                return _fail(report, line, hint)
-            ok, line = _check(report, got[1], truth_lse, ref_lse, what=f"lse, {what}", floor=256)
+                return report.fail(line, hint)
+            ok, line = _check(got[1], truth_lse, ref_lse, what=f"lse, {what}", floor=256)
             if not ok:
                 scores = q @ k.T * scale
                 m = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf).max(axis=1) if causal \
@@ -432,7 +360,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                                 ("lse = m + log(l): add the final running max back", truth_lse - m),
                                 ("lse = m + log(l), not m + l", m + np.exp(truth_lse - m)),
                                 ("lse = m + log(l), not the max alone", m)]
-                return _fail(report, line, diagnose(got[1], lse_mistakes, truth=truth_lse))
+                return report.fail(line, diagnose(got[1], lse_mistakes, truth=truth_lse))
             allowed = max(n_q * bn, n_q * d, n_k * d, n_k)
             if n_q * n_k > allowed and numel >= n_q * n_k:
                 return report.fail(f"{what}: a tensor of shape {shape} was made: that is the whole score matrix "
@@ -483,10 +411,10 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
                        tq.stride(0), tk.stride(0), tv.stride(0), to.stride(0), n_q, n_k,
                        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn):
             return
-        got = _np(to.float() if dtype != "fp32" else to)
-        qs, ks, vs = (_np(t.float()).astype(np.float64) for t in (tq, tk, tv))
+        got = to_numpy(to.float() if dtype != "fp32" else to)
+        qs, ks, vs = (to_numpy(t.float()).astype(np.float64) for t in (tq, tk, tv))
         truth = np.stack([attention64(qs[h], ks[h], vs[h], scale)[0] for h in range(heads)])
-        ref = _np((torch.softmax((tq @ tk.transpose(-2, -1)) * scale, dim=-1) @ tv).float()).astype(np.float64)
+        ref = to_numpy((torch.softmax((tq @ tk.transpose(-2, -1)) * scale, dim=-1) @ tv).float()).astype(np.float64)
         tail, large = n_k % bn != 0, ls > 10
         unwritten = got == np.float32(poison)
         if unwritten.all():
@@ -526,7 +454,7 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         elif hint is None and bad.any():
             hint = ("subtract the running max before exp2, p = exp2(s - m_new[:, None]) with m_new = "
                     "max(m_i, max of the tile's scores): scores in the hundreds overflow")
-        return _fail(report, line, hint)
+        return report.fail(line, hint)
 
 
 # ---- 06.5 the causal mask, tile by tile ----------------------------------------------------------
@@ -606,7 +534,7 @@ def grade_causal(report: Report, causal_tile, key_range):
             if all(str(guarded(report, "", causal_tile, *c)) == fn(*c) for c in cases[:40]):
                 hint = h
                 break
-        return _fail(report, f"{asked} returned {got!r}, expected {want!r} (queries {q0}..{q0 + bm - 1}, keys "
+        return report.fail(f"{asked} returned {got!r}, expected {want!r} (queries {q0}..{q0 + bm - 1}, keys "
                              f"{k0}..{k0 + bn - 1})", hint or "query i sees key j when j <= i: compare the tile's "
                                                                 "first and last key with its first and last query")
     report.ok(f"causal_tile: all {len(cases)} tiles classified (full, masked, skipped)")
@@ -649,7 +577,7 @@ def grade_causal(report: Report, causal_tile, key_range):
         if hint is None and n_full % bn:
             hint = "n_full is where the masked tiles start: a multiple of block_n"
         q0 = start_m * bm
-        return _fail(report, f"{asked} returned ({n_full}, {n_end}), expected {want} (queries {q0}..{q0 + bm - 1})",
+        return report.fail(f"{asked} returned ({n_full}, {n_end}), expected {want} (queries {q0}..{q0 + bm - 1})",
                      hint or "n_full: the end of the whole tiles whose last key is <= q0; "
                              "n_end: min(q0 + block_m, n_k)")
     report.ok(f"key_range: all {len(cases)} query tiles get the right unmasked, masked and skipped tiles")
@@ -688,8 +616,8 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         if got is None:
             return report.fail("lse_from_state returned None: did you forget `return`?")
         tm, tl_ = torch.tensor(m2, dtype=torch.float32), torch.tensor(l2, dtype=torch.float32)
-        ref = _np(tm * LN2 + torch.log(tl_)).astype(np.float64)
-        ok, line = _check(report, got, truth, ref, what=f"lse_from_state, {what}", floor=8)
+        ref = to_numpy(tm * LN2 + torch.log(tl_)).astype(np.float64)
+        ok, line = _check(got, truth, ref, what=f"lse_from_state, {what}", floor=8)
         if not ok:
             mistakes = [("the state is in base 2: lse = (m2 + log2(l2)) · ln 2; you returned m2 + log2(l2), "
                          "the base-2 log-sum-exp", m2 + np.log2(l2)),
@@ -700,7 +628,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                         ("divide by log2(e), or multiply by ln 2: lse = (m2 + log2 l2) · ln 2, not · log2(e)",
                          (m2 + np.log2(l2)) * LOG2E),
                         ("take the log of l2: lse = (m2 + log2(l2)) · ln 2", (m2 + l2) * LN2)]
-            return _fail(report, line, diagnose(got, mistakes, truth=truth))
+            return report.fail(line, diagnose(got, mistakes, truth=truth))
         report.ok(line)
 
     # probs_from_lse: recompute one tile of P from q, k and the saved lse, as the backward pass does
@@ -719,8 +647,9 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         got = call(report, what, probs_from_lse, tq, tk, torch.tensor(lse32, dtype=torch.float32), scale)
         if got is None:
             return report.fail(f"{what}: returned None: did you forget `return`?")
-        ref = _np(torch.exp(tq @ tk.T * scale - torch.tensor(lse32, dtype=torch.float32)[:, None])).astype(np.float64)
-        ok, line = _check(report, got, truth, ref, what=what)
+        ref = to_numpy(torch.exp(tq @ tk.T * scale - torch.tensor(lse32, dtype=torch.float32)[:, None]))
+        ref = ref.astype(np.float64)
+        ok, line = _check(got, truth, ref, what=what)
         if not ok:
             mistakes = [("scale the scores first: P = exp(q kᵀ · sm_scale - lse)", np.exp(q @ k.T - lse32[:, None])),
                         ("lse is a natural log: P = exp(s - lse), not exp2", np.exp2(s - lse32[:, None])),
@@ -732,7 +661,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
                              axis=1, keepdims=True)),
                         ("P = exp(s - lse): no further normalisation, no max (lse already holds both)",
                          np.exp(s - s.max(axis=1, keepdims=True)))]
-            return _fail(report, line, diagnose(got, mistakes, truth=truth))
+            return report.fail(line, diagnose(got, mistakes, truth=truth))
         report.ok(line)
 
 
@@ -769,12 +698,12 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
     if not _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn):
         return False
     poison = np.float32(POISON if dtype == "fp32" else HALF_POISON)
-    got = _np(to.float() if dtype != "fp32" else to)
-    qs, ks, vs = (_np(t.float()).astype(np.float64) for t in (tq, tk, tv))
+    got = to_numpy(to.float() if dtype != "fp32" else to)
+    qs, ks, vs = (to_numpy(t.float()).astype(np.float64) for t in (tq, tk, tv))
     scale = 1.0 / math.sqrt(d)
     truth = np.stack([attention64(qs[h], ks[h], vs[h], scale, causal=True)[0] for h in range(heads)])
     keep = np.tril(np.ones((n_q, n_k), dtype=bool))
-    ref = _np((torch.softmax((tq @ tk.transpose(-2, -1) * scale).masked_fill(
+    ref = to_numpy((torch.softmax((tq @ tk.transpose(-2, -1) * scale).masked_fill(
         ~torch.from_numpy(keep).to(tq.device), float("-inf")), dim=-1) @ tv).float()).astype(np.float64)
     if (got == poison).all():
         report.fail(f"{what}: no output was written: is the causal part still a stub?")
@@ -820,7 +749,7 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
     elif hint is None and not np.isfinite(got).all():
         hint = ("a row whose scores are all -inf gives NaN: every query sees key 0, so the first tile must always "
                 "be computed, and masked scores are -inf only where j > i")
-    _fail(report, line, hint)
+    report.fail(line, hint)
     return False
 
 

@@ -19,94 +19,38 @@ import numpy as np
 from ..world import world
 from . import POISON, Report, as_tuple, compare, exercise, guarded, speed_vs_peer
 from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
-
-LOG2E = 1.4426950408889634
-NAN = float("nan")
-HALF_POISON = -32768.0  # exact in float16 and bfloat16, and no gradient here is that large
+from .attention64 import grads64, unmasked_grads64
+from .harness import HALF_POISON, LOG2E, NAN, compare_returned, diagnose, exact_f32, explain, framed, rand, reproduces
 
 
-# ---- helpers -----------------------------------------------------------------------------------
+# ---- helpers: the harness's, under the names this module's graders use -------------------------
 
 
 def _exact32(x) -> np.ndarray:
-    """Values rounded to float32 and back: exactly what the learner's code is given."""
-    return np.asarray(x, dtype=np.float32).astype(np.float64)
+    return exact_f32(x)
 
 
 def _rand(rng, shape, scale=1.0) -> np.ndarray:
-    x = rng.standard_normal(shape) * scale
-    return _exact32(np.where(np.abs(x) < 1e-3, 1e-3 + np.abs(x), x))
+    return exact_f32(rand(rng, shape, (scale,)))
 
 
 def _check(got, truth, reference, what: str, floor: float) -> tuple[bool, str]:
-    """compare() of a learner's array with a float64 truth; ``floor`` is the smallest relative tolerance."""
-    got = to_numpy(got)
-    if got.dtype == object or not np.issubdtype(got.dtype, np.number):
-        return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
-    if not np.issubdtype(got.dtype, np.floating):
-        got = got.astype(np.float64)
-    return compare(got, truth, reference, what=what, rtol_floor=floor)
+    return compare_returned(got, truth, reference, what, floor)
 
 
 def _matches(got, wrong, truth) -> bool:
-    """Does ``got`` reproduce the mistake ``wrong`` (closer to it than to the truth by a wide margin)?"""
-    g = np.asarray(to_numpy(got), dtype=np.float64)
-    w = np.asarray(wrong, dtype=np.float64)
-    t = np.asarray(truth, dtype=np.float64)
-    if g.shape != w.shape or w.shape != t.shape or not np.isfinite(g).all() or not np.isfinite(w).all():
-        return False
-    apart = float(np.max(np.abs(w - t))) if w.size else 0.0
-    if apart <= 1e-6 * max(1e-30, float(np.max(np.abs(t)))):
-        return False
-    return float(np.max(np.abs(g - w))) <= 0.25 * apart
+    """Does ``got`` reproduce the mistake ``wrong``? (the harness's one diagnosis rule)"""
+    return reproduces(got, wrong, truth) is not None
 
 
 def _diagnose(got, mistakes, truth) -> str | None:
-    for hint, wrong in mistakes:
-        if wrong is not None and _matches(got, wrong, truth):
-            return hint
-    return None
+    """The first listed mistake that ``got`` reproduces: 07's lists put the likelier of two mistakes that
+    can give nearly the same result first."""
+    return diagnose(got, mistakes, truth=truth, first=True)
 
 
 def _fail(report: Report, line: str, hint: str | None) -> None:
-    report.fail(f"{line}: {hint}" if hint else line)
-
-
-def grads64(q, k, v, do, scale, causal=False, bug=None):
-    """Float64 gradients of one head, q (R, d), k and v (N, d), do (R, d) -> (dq, dk, dv, extras),
-    optionally with a typical bug: "no_delta" (dS = P ∘ dP), "delta_from_dp" (D = rowsum(dP)),
-    "no_p" (dS = dP - D), "no_scale" (dQ, dK without sm_scale), "scale_twice", "fill_zero" (masked
-    scores set to 0, not -inf), "no_mask" (causal ignored)."""
-    s = (q @ k.T) * scale
-    if causal and bug != "no_mask":
-        keep = np.tril(np.ones(s.shape, dtype=bool))
-        s = np.where(keep, s, 0.0 if bug == "fill_zero" else -np.inf)
-    m = s.max(axis=1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(axis=1, keepdims=True)
-    p = p / l
-    o = p @ v
-    dv = p.T @ do
-    dp = do @ v.T
-    delta = dp.sum(axis=1) if bug == "delta_from_dp" else (do * o).sum(axis=1)
-    if bug == "no_delta":
-        ds = p * dp
-    elif bug == "no_p":
-        ds = dp - delta[:, None]
-    else:
-        ds = p * (dp - delta[:, None])
-    c = {"no_scale": 1.0, "scale_twice": scale * scale}.get(bug, scale)
-    dq, dk = ds @ k * c, ds.T @ q * c
-    return dq, dk, dv, {"o": o, "lse": (m + np.log(l))[:, 0], "p": p, "dp": dp, "delta": (do * o).sum(axis=1)}
-
-
-def unmasked_grads64(q, k, v, do, scale):
-    """The gradients a backward computes when it forgets the causal mask of a causal forward: P = exp(S - lse)
-    with the causal lse and D, but over every key."""
-    *_, x = grads64(q, k, v, do, scale, causal=True)
-    p = np.exp(q @ k.T * scale - x["lse"][:, None])
-    ds = p * (do @ v.T - x["delta"][:, None])
-    return ds @ k * scale, ds.T @ q * scale, p.T @ do
+    report.fail(line, hint)
 
 
 def _torch_grads(q, k, v, do, scale, causal, dtype=None, device="cpu"):
@@ -336,16 +280,6 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
 # ---- 07.5 the dK/dV kernel's inner loop ------------------------------------------------------
 
 
-def _framed(data: np.ndarray, pad: int, fill: float, dtype):
-    """(heads, rows, ...) data on the device inside (heads, rows + pad, ...) filled with ``fill``."""
-    import torch
-
-    full = torch.full((data.shape[0], data.shape[1] + pad, *data.shape[2:]), fill, dtype=dtype, device=world().device)
-    view = full[:, :data.shape[1]]
-    view.copy_(torch.from_numpy(data).to(dtype))
-    return full, view
-
-
 def _dkdv_launch(kernel, heads, n_q, n_k, d, bm, bn, tensors, scale, **meta):
     tq, tk, tv, tdo, tlse, tdelta, tdk, tdv = tensors
     grid = (-(-n_k // bn), heads)
@@ -383,14 +317,14 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         lse = np.stack([_exact32(s["lse"]) for s in stats])
         delta = np.stack([_exact32((do[h] * o[h]).sum(axis=1)) for h in range(heads)])
         poison = POISON if dtype == "fp32" else HALF_POISON
-        _, tq = _framed(q, bm, NAN, dt)
-        _, tdo = _framed(do, bm, NAN, dt)
-        _, tk = _framed(k, bn, NAN, dt)
-        _, tv = _framed(v, bn, NAN, dt)
-        _, tlse = _framed(lse, bm, NAN, torch.float32)
-        _, tdelta = _framed(delta, bm, NAN, torch.float32)
-        _, tdk = _framed(np.zeros_like(k), bn, poison, dt)
-        _, tdv = _framed(np.zeros_like(v), bn, poison, dt)
+        _, tq = framed(q, dtype, NAN, pad_rows=bm)
+        _, tdo = framed(do, dtype, NAN, pad_rows=bm)
+        _, tk = framed(k, dtype, NAN, pad_rows=bn)
+        _, tv = framed(v, dtype, NAN, pad_rows=bn)
+        _, tlse = framed(lse, "fp32", NAN, pad_cols=bm)
+        _, tdelta = framed(delta, "fp32", NAN, pad_cols=bm)
+        _, tdk = framed(np.zeros_like(k), dtype, poison, pad_rows=bn)
+        _, tdv = framed(np.zeros_like(v), dtype, poison, pad_rows=bn)
         tdk.fill_(poison)
         tdv.fill_(poison)
         what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, BLOCK_N={bn}, "
@@ -402,7 +336,6 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
             if gpu:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a learner's kernel may fail to compile in any way
-            from . import explain
             return report.fail(f"{what}: {explain(exc)}")
         # the truth: the gradients of the exact attention given the (rounded) q, k, v, do, o, lse, D
         dk_t, dv_t = [], []

@@ -182,7 +182,7 @@ def _expect_number(report, what, got, want, hints) -> bool:
         report.ok(f"{what} = {got:.4g}")
         return True
     hint = next((h for v, h in hints if math.isclose(got, v, rel_tol=1e-6)), "")
-    report.fail(f"{what} = {got:.4g}, expected {want:.4g}" + (f": {hint}" if hint else ""))
+    report.fail(f"{what} = {got:.4g}, expected {want:.4g}", hint)
     return False
 
 

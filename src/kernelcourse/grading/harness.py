@@ -1,27 +1,152 @@
-"""The Triton grading harness of chapters 04-06 (introduced in chapter 04; chapters 07 and later use
-it too): launch the learner's kernel, frame its inputs and outputs, compare with a float64 truth under
-one tolerance rule, and name the typical mistake a wrong result reproduces under one diagnosis rule.
+"""The grading harness: everything the graders share, in one place (introduced in chapter 01; the
+Triton part in chapter 04). A chapter's grader takes what it needs from here and keeps only its cases,
+its comparisons and its messages.
 
-Every input and output lives inside a larger buffer: inputs are framed by NaN or a finite pad (an
-unmasked read past the data brings it into the result), outputs by poison (a write past the data
-shows in the frame, an element never written keeps its poison). In Triton's interpreter, every load
-and store is also checked against the tensors a launch was given (``addresses``).
+From the modules below it, re-exported here: what a grader reports (``Report``, ``exercise``), how it
+calls learner code (``call``, ``guarded``, ``number``, ``explain``), and the speed checks
+(``speed_vs_peer``, ``speed_vs_roof``). Its own: random cases (``fresh_rng``, ``rand``, ``sizes``, and
+``separating``, a case that tells the known mistakes apart), poisoned outputs, the one tolerance rule
+(``tolerance_of``), ``compare`` and ``compare_returned``, naming the typical mistake a wrong result
+reproduces under one diagnosis rule (``diagnose``), and for Triton kernels: launching the learner's
+kernel and framing its inputs and outputs.
+
+Every input and output of a Triton kernel lives inside a larger buffer: inputs are framed by NaN or a
+finite pad (an unmasked read past the data brings it into the result), outputs by poison (a write past
+the data shows in the frame, an element never written keeps its poison). In Triton's interpreter,
+every load and store is also checked against the tensors a launch was given (``addresses``).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, explain, tolerance_of
 from .addresses import float32_math
+from .reporting import (DEFAULT_TIME_LIMIT_S, FAIL, NOT_GRADED, PASS, SEED_VARIABLE, Exercise,  # noqa: F401
+                        GradeFailure, Report, exercise)
+from .running import (Stop, TimeLimit, as_number, as_tuple, call, explain, guarded, number,  # noqa: F401
+                      time_limit, where)
+from .speed import speed_vs_peer, speed_vs_roof  # noqa: F401
+
+
+# ---- random cases (``rand`` and ``sizes``, the values and sizes of inputs, close the file) ------------
+
+
+def fresh_rng(report: Report) -> np.random.Generator:
+    """A generator for this run's cases: drawn fresh on every run, so that a table of answers cannot pass.
+
+    The seed comes from the environment variable ``KC_GRADE_SEED`` when it is set (to draw a failing
+    run's cases again: ``os.environ["KC_GRADE_SEED"] = "123456"`` in the notebook), else at random;
+    every failing line of the report names it.
+    """
+    text = os.environ.get(SEED_VARIABLE, "").strip()
+    report.seed = int(text) if text.isdigit() else int(np.random.SeedSequence().entropy % 1_000_000)
+    return np.random.default_rng(report.seed)
+
+
+def separating(rng, draw, values, close, tries: int = 1000):
+    """A case from ``draw(rng)`` on which ``values(case)``, the answer and then each known mistake's, are
+    pairwise apart (none ``close`` to another), so that the hint of a first failing case names the right
+    mistake; the last case drawn if ``tries`` draws found none."""
+    for _ in range(tries):
+        case = draw(rng)
+        found = values(case)
+        if all(not close(a, b) for i, a in enumerate(found) for b in found[i + 1:]):
+            return case
+    return case
+
+
+# ---- comparing outputs ------------------------------------------------------------------------
+
+POISON = -3.0e38  # written into output buffers first: an element still holding it was never written
+HALF_POISON = -32768.0  # the poison of float16 and bfloat16 outputs: exact in both, and no result here is that large
+
+
+def poisoned(shape, dtype=np.float32) -> np.ndarray:
+    return np.full(shape, POISON, dtype=dtype)
+
+
+def _index(flat_i: int, shape) -> str:
+    idx = np.unravel_index(flat_i, shape)
+    return str(int(idx[0])) if len(shape) == 1 else str(tuple(int(i) for i in idx))
+
+
+def exact_f32(x) -> np.ndarray:
+    """Values rounded to float32 and back, in float64: exactly what learner code given float32 gets
+    (the truth is computed from these)."""
+    return np.asarray(x, dtype=np.float32).astype(np.float64)
+
+
+def tolerance_of(truth, reference, rtol_floor: float) -> float:
+    """The graders' one tolerance rule: twice the worst error of ``reference`` (the same computation by
+    PyTorch or NumPy at the output's precision) against the float64 ``truth``, and at least
+    ``rtol_floor`` times the largest value of the truth."""
+    truth = np.asarray(truth, dtype=np.float64)
+    if not truth.size:
+        return 0.0
+    tol = rtol_floor * float(np.max(np.abs(truth)))
+    if reference is not None:
+        tol = max(tol, 2 * float(np.max(np.abs(np.asarray(reference, np.float64) - truth))))
+    return tol
+
+
+def compare(got, truth, reference=None, *, what: str, rtol_floor: float | None = None,
+            dtype=None) -> tuple[bool, str]:
+    """Compare ``got`` with a float64 ``truth``.
+
+    The tolerance is twice the worst error of ``reference`` (the same computation done by PyTorch or
+    NumPy at the output's precision), with a floor of one rounding step of the output dtype. ``dtype``,
+    when given, is the dtype the output must have. Returns (passed, one line saying why).
+    """
+    got = np.asarray(got)
+    truth = np.asarray(truth, dtype=np.float64)
+    if got.shape != truth.shape:
+        return False, f"{what}: shape {got.shape}, expected {truth.shape}"
+    if dtype is not None and got.dtype != np.dtype(dtype):
+        return False, f"{what}: dtype {got.dtype}, expected {np.dtype(dtype)}"
+    g = got.astype(np.float64)
+    unwritten = got == np.asarray(POISON, dtype=got.dtype)
+    if unwritten.all() and unwritten.size > 1:
+        return False, f"{what}: no element of the output was written (is the kernel body still a stub?)"
+    if unwritten.any():
+        idx = np.flatnonzero(unwritten)
+        return False, (f"{what}: {idx.size} of {got.size} elements never written "
+                       f"(first at index {_index(idx[0], got.shape)})")
+    bad = ~np.isfinite(g) & np.isfinite(truth)
+    if bad.any():
+        idx = np.flatnonzero(bad)
+        return False, f"{what}: {idx.size} elements are NaN or Inf (first at index {_index(idx[0], got.shape)})"
+    eps = float(np.finfo(got.dtype).eps) if np.issubdtype(got.dtype, np.floating) else 0.0
+    tol = tolerance_of(truth, reference, rtol_floor if rtol_floor is not None else eps)
+    err = np.abs(g - truth)
+    worst = int(np.argmax(err)) if err.size else 0
+    if err.size and err.flat[worst] > tol:
+        return False, (f"{what}: max error {err.flat[worst]:.3g} at index {_index(worst, got.shape)} "
+                       f"(expected {truth.flat[worst]:.6g}, got {g.flat[worst]:.6g}; tolerance {tol:.2g})")
+    return True, f"{what}: all {got.size} elements match (max error {float(err.max()) if err.size else 0:.2g})"
+
+
+
+def compare_returned(got, truth, reference, what: str, rtol_floor: float) -> tuple[bool, str]:
+    """compare() of whatever learner code returned (a tensor of any device or dtype, an array, a
+    number): a result that is not numbers says so; integers are compared as floats."""
+    got = to_numpy(got)
+    if got.dtype == object or not np.issubdtype(got.dtype, np.number):
+        return False, f"{what}: got {type(got).__name__} of {got.dtype}, expected numbers"
+    if not np.issubdtype(got.dtype, np.floating):
+        got = got.astype(np.float64)
+    return compare(got, truth, reference, what=what, rtol_floor=rtol_floor)
+
+
+# ---- Triton kernels ----------------------------------------------------------------------------------
 
 GUARD = 1024  # elements of frame after 1D data: at least the largest block a grader launches
 NAN = float("nan")
+LOG2E = 1.4426950408889634  # log2(e): a kernel computes exp(x) as exp2(x · log2 e)
+LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) · ln 2
 PAD = 0.5  # the frame of row-wise inputs: finite, so that reading it gives a wrong value the grader can name
-
-
 
 
 def not_a_kernel(obj, name: str) -> str | None:
@@ -214,12 +339,15 @@ def reproduces(got, wrong, truth=None, tol: float = 0.0) -> float | None:
     return distance if apart > 1e-5 * scale and distance <= 0.25 * apart else None
 
 
-def diagnose(got, mistakes, tol: float = 0.0, truth=None) -> str | None:
+def diagnose(got, mistakes, tol: float = 0.0, truth=None, first: bool = False) -> str | None:
     """The hint of the typical mistake, among ``mistakes`` (hint, wrong result or None), that ``got``
-    reproduces most closely (``reproduces``), or None."""
+    reproduces most closely (``reproduces``), or None. With ``first``, the first one listed that it
+    reproduces: for lists whose mistakes can give nearly the same result, the likelier listed first."""
     best, best_distance = None, np.inf
     for hint, wrong in mistakes:
         distance = reproduces(got, wrong, truth, tol)
+        if distance is not None and first:
+            return hint
         if distance is not None and distance < best_distance:
             best, best_distance = hint, distance
     return best

@@ -1,0 +1,68 @@
+"""Speed checks (introduced in chapter 01), made on a GPU only: the learner's code timed now, in this
+process, against a peer or against a copy moving as many bytes. On the CPU they are reported as not
+graded, never as passed.
+"""
+from __future__ import annotations
+
+from .. import bench
+from ..world import world
+from .reporting import Report
+from .running import guarded
+
+
+
+def _median_ms(report: Report, what: str, fn) -> float | None:
+    """Median time of learner (or peer) code in ms on this GPU, or None after recording why it failed."""
+    before = report.failures
+    ms = guarded(report, what, bench.do_bench, fn)
+    return None if report.failures > before else ms
+
+
+def speed_vs_peer(report: Report, what: str, fn, peer, peer_name: str, at_least: float,
+                  hint: str | None = None) -> bool | None:
+    """Speed check on a GPU: ``fn()`` must run at least ``at_least`` times as fast as ``peer()``, both
+    timed now, in this process (median of many runs). On the CPU the check is not graded. ``hint``
+    follows a failing line: what makes a correct kernel this slow.
+
+    Returns True or False when graded, None when not.
+    """
+    if not world().gpu:
+        report.not_graded(f"{what}: speed needs a GPU (not graded here)")
+        return None
+    ms, peer_ms = _median_ms(report, what, fn), _median_ms(report, peer_name, peer)
+    if ms is None or peer_ms is None:
+        return False
+    ratio = peer_ms / ms
+    failed = (f"{what}: {ratio:.2f}x the speed of {peer_name} ({ms:.3f} ms vs {peer_ms:.3f} ms); needs at least "
+              f"{at_least:g}x")
+    return report.expect(
+        ratio >= at_least,
+        f"{what}: {ratio:.2f}x the speed of {peer_name} ({ms:.3f} ms vs {peer_ms:.3f} ms; needs {at_least:g}x)",
+        f"{failed}: {hint}" if hint else failed,
+    )
+
+
+def speed_vs_roof(report: Report, what: str, fn, nbytes: float, at_least: float) -> bool | None:
+    """Speed check on a GPU against the memory roof: ``fn()``, which must move ``nbytes`` bytes (reads
+    plus writes), against a device-to-device copy moving as many bytes, timed now. Passes when the
+    copy's time over ``fn``'s is at least ``at_least``. On the CPU the check is not graded.
+    """
+    import torch
+
+    if not world().gpu:
+        report.not_graded(f"{what}: speed needs a GPU (not graded here)")
+        return None
+    half = max(int(nbytes) // 2, 1)  # a copy reads and writes each byte once
+    src = torch.randint(0, 256, (half,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms, copy_ms = _median_ms(report, what, fn), _median_ms(report, "copy", lambda: dst.copy_(src))
+    if ms is None or copy_ms is None:
+        return False
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    fraction = copy_ms / ms
+    return report.expect(
+        fraction >= at_least,
+        f"{what}: {gbs:.0f} GB/s, {fraction:.0%} of a copy's bandwidth measured now (needs {at_least:.0%})",
+        f"{what}: {gbs:.0f} GB/s, {fraction:.0%} of a copy's bandwidth measured now; needs at least "
+        f"{at_least:.0%}: is each element read once, and are loads and stores contiguous?",
+    )
