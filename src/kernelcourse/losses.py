@@ -77,17 +77,20 @@ def cross_entropy_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, count_ptr, 
         m_new = tl.maximum(m, tl.max(x, axis=0))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
-    lse = m + tl.log(d)
     x_target = tl.load(x_row + target, mask=valid, other=0.0).to(tl.float32)  # an ignored target is no column
-    tl.store(loss_ptr + row, tl.where(valid, lse - x_target, 0.0))
+    # loss = logsumexp(x) - x[target] = (m - x[target]) + log(d): m - x[target] first, both large and close,
+    # so that the small result keeps its digits
+    tl.store(loss_ptr + row, tl.where(valid, (m - x_target) + tl.log(d), 0.0))
+    inv_d = 1.0 / d
 
-    # Sweep 2: d loss / d x = (softmax(x) - onehot(target)) * scale, written chunk by chunk. Each chunk is
-    # read before it is written, by this program alone: grad_ptr may be logits_ptr (in place).
+    # Sweep 2: d loss / d x = (softmax(x) - onehot(target)) * scale, softmax(x) = exp(x - m) / d, written
+    # chunk by chunk. Each chunk is read before it is written, by this program alone: grad_ptr may be
+    # logits_ptr (in place).
     for start in range(0, n_cols, BLOCK):
         cols = start + lanes
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp(x - lse)
+        p = tl.exp(x - m) * inv_d
         g = tl.where(cols == target, p - 1.0, p) * scale
         tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
