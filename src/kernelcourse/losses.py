@@ -235,13 +235,14 @@ def bench_cross_entropy(n_tokens: int = 8192, vocab: int = 50257, dtype=torch.bf
     }
     want_loss = versions["eager F.cross_entropy"]().float()
     want_grad = logits.grad.float()
+    grad_scale = want_grad.abs().max().item()  # gradients of a mean over 8192 rows are small: a relative atol
     rows = []
     copy_ms = bench.do_bench(lambda: inplace_logits.copy_(base))
     for name, step in versions.items():
         loss = step()  # compile, tune, and check before timing
         got_grad = inplace_logits if name.startswith("fused, gradient") else logits.grad
         torch.testing.assert_close(loss.float(), want_loss, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(got_grad.float(), want_grad, rtol=2e-2, atol=1e-5)
+        torch.testing.assert_close(got_grad.float(), want_grad, rtol=2e-2, atol=1e-3 * grad_scale)
         logits.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
