@@ -431,3 +431,16 @@ def test_08_6_stub_and_kernel_instead_of_launcher_fail():
     assert not passed and "not written yet" in text, text
     passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_kernel)
     assert not passed and "plain Python function" in text, text
+
+
+def test_08_6_rejects_pytorch_doing_the_work():
+    import torch.nn.functional as F
+
+    def with_pytorch(logits, target, ignore_index=-100, BLOCK=1024):
+        x = logits.detach().clone().requires_grad_(True)
+        loss = F.cross_entropy(x, target, ignore_index=ignore_index)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=with_pytorch)
+    assert not passed and "tensors as large as the logits" in text, text

@@ -355,6 +355,7 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
     # block; every third row has logits near 1000 (exp overflows unless the max is subtracted)
     cases = sizes([(6, 1000, "fp32", -100, (256, 1024)), (5, 257, "fp32", 3, (64,)), (7, 130, "fp16", -100, (64, 128))],
                   [(512, 50257, "fp32", -100, (4096,)), (300, 32003, "fp16", -100, (2048,))])
+    counted = False
     for rows, V, dtype, ignore_index, blocks in cases:
         rng = np.random.default_rng(rows * 100003 + V)
         data = rand(rng, (rows, V), scales=(1.0, 3.0))
@@ -376,7 +377,14 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             ref_loss = F.cross_entropy(ref_x, tgt, ignore_index=ignore_index)
             ref_loss.backward()
             ref_grad = host(ref_x.grad.to(logits.dtype))
-            got = as_tuple(report, what, call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block), 2)
+            made = _LargeTensors(rows * V)
+            if counted:  # the count slows the interpreter down: the first call is enough to see how it works
+                got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
+            else:
+                with made:
+                    got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
+                counted = True
+            got = as_tuple(report, what, got, 2)
             if got is None:
                 return
             if world().gpu:
@@ -403,6 +411,10 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                             "their sum by the number of rows not ignored")
                 return report.fail(f"{what}: loss {loss:.6g}, expected {loss64:.6g} (tolerance {tol:.2g}): {hint}")
             report.ok(f"{what}: loss {loss:.6g} matches (error {abs(loss - loss64):.2g})")
+            if len(made.ops) > 1:
+                return report.fail(f"{what}: the launcher made {len(made.ops)} tensors as large as the logits "
+                                   f"({', '.join(made.ops[:4])}): only the gradient should be one; compute the softmax "
+                                   "inside the kernel (and pass the logits' row stride rather than a contiguous copy)")
             g = to_numpy(grad)
             ok, line = compare(g, grad64, ref_grad, what=f"{what}: the gradient",
                                rtol_floor=rounding_floor(g.dtype))
@@ -434,3 +446,30 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                     line += f": {hint}"
             if not report.expect(ok, line, line):
                 return
+
+
+def _LargeTensors(numel: int):
+    """A dispatch mode that lists the PyTorch ops (not views) that made a tensor of at least ``numel``
+    elements, in ``.ops``: a Triton launch is no PyTorch op, so a launcher whose kernel does the work
+    lists only the buffers it allocates."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LargeTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            # views and in-place ops make no new tensor; the interpreter's launch moves bytes (uint8), not floats
+            if not getattr(func, "is_view", False) and not name.endswith("_"):
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel() >= numel:
+                        self.ops.append(name)
+                        break
+            return out
+
+    return LargeTensors()
