@@ -34,3 +34,16 @@ def test_float16_keeps_the_statistics_in_float32():
     truth = K.group_norm_silu_ref(x.double(), 4, w.double(), b.double())
     assert torch.isfinite(y).all()
     assert (y.double() - truth).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("shape, groups, split, block", [((2, 6, 5, 7), 3, 3, 16), ((1, 10, 33, 31), 5, 4, 64),
+                                                         ((2, 64, 8, 8), 32, 2, 32), ((3, 4, 1, 1), 2, 5, 16)])
+def test_split_version_matches_float64(shape, groups, split, block):
+    g = torch.Generator().manual_seed(sum(shape) * split)
+    x = (torch.randn(*shape, generator=g) * 3 - 50.0).to(DEV)
+    w, b = torch.randn(shape[1], generator=g).to(DEV), torch.randn(shape[1], generator=g).to(DEV)
+    y = K.group_norm_silu(x, groups, w, b, BLOCK=block, split=split)
+    truth = K.group_norm_silu_ref(x.double(), groups, w.double(), b.double())
+    ref = K.group_norm_silu_ref(x, groups, w, b)
+    err, ref_err = (y.double() - truth).abs().max().item(), (ref.double() - truth).abs().max().item()
+    assert err <= max(2 * ref_err, 1e-5), (err, ref_err)
