@@ -534,3 +534,111 @@ def test_call_stops_an_exercise_on_an_exception_or_none():
     # in a grader, the stop ends that exercise with its one line
     passed, text = grade("04.1", scale_gelu_kernel=gelu_plain_python)
     assert not passed and text.count("✘") == 1
+
+
+# ---- 04.6 fused GroupNorm + SiLU ---------------------------------------------------------------------
+
+
+class GroupNormWith:
+    """The kernel below launched with its MISTAKE constexpr set: what a learner's kernel with that mistake does."""
+
+    def __init__(self, mistake):
+        self.fn, self.mistake = gn_kernel.fn, mistake
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: gn_kernel[grid](*args, MISTAKE=self.mistake, **meta)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("a kernel is launched as kernel[grid](...)")
+
+
+@triton.jit
+def gn_kernel(x_ptr, w_ptr, b_ptr, y_ptr, C, HW, n_groups, eps, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
+    # sum and sum of squares in one sweep (no shift), a second sweep to store: a correct alternative to
+    # the package's kernel, and, with MISTAKE set, the typical wrong versions
+    pid = tl.program_id(0).to(tl.int64)
+    per = C // n_groups
+    n = per * HW
+    start_el = pid * n
+    group = pid % n_groups
+    lanes = tl.arange(0, BLOCK)
+    STEP: tl.constexpr = 256 if MISTAKE == "hardcoded" else BLOCK
+    if MISTAKE == "fp16":
+        acc = tl.zeros((BLOCK,), dtype=tl.float16)
+        acc_sq = tl.zeros((BLOCK,), dtype=tl.float16)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, STEP):
+        offs = start + lanes
+        mask = offs < n
+        if MISTAKE == "interleaved":  # channel group + i * n_groups instead of group * per + i
+            addr = (pid // n_groups) * C * HW + (group + (offs // HW) * n_groups) * HW + offs % HW
+        else:
+            addr = start_el + offs
+        if MISTAKE == "unmasked":
+            v = tl.load(x_ptr + addr)
+        else:
+            v = tl.load(x_ptr + addr, mask=mask, other=0.0)
+        if MISTAKE != "fp16":
+            v = v.to(tl.float32)
+        acc += v
+        acc_sq += v * v
+    mean = tl.sum(acc, axis=0).to(tl.float32) / n
+    if MISTAKE == "n-1":
+        var = (tl.sum(acc_sq, axis=0) - n * mean * mean) / (n - 1)
+    else:
+        var = tl.sum(acc_sq, axis=0).to(tl.float32) / n - mean * mean
+    rstd = 1.0 / tl.sqrt(var + eps)
+    for start in range(0, n, STEP):
+        offs = start + lanes
+        mask = offs < n
+        if MISTAKE == "interleaved":
+            channel = group + (offs // HW) * n_groups
+            addr = (pid // n_groups) * C * HW + channel * HW + offs % HW
+        else:
+            channel = group * per + offs // HW
+            addr = start_el + offs
+        if MISTAKE == "channel_in_group":
+            channel = offs // HW
+        v = tl.load(x_ptr + addr, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+        xhat = (v - mean) * rstd
+        if MISTAKE == "silu_first":
+            z = xhat * tl.sigmoid(xhat) * w + b
+        else:
+            z = xhat * w + b
+            z = z * tl.sigmoid(z)
+        tl.store(y_ptr + addr, z.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gn_stub(x_ptr, w_ptr, b_ptr, y_ptr, C, HW, n_groups, eps, BLOCK: tl.constexpr):
+    pass
+
+
+@pytest.mark.parametrize("kernel", [GroupNormWith(""), kernels.group_norm_silu_kernel], ids=["one sweep", "shifted"])
+def test_04_6_accepts_correct(kernel):
+    passed, text = grade("04.6", group_norm_silu_kernel=kernel)
+    assert passed, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    dtype_case("fp16", "computes in fp16: do the math in float32"),
+    ("n-1", "the variance divides by n - 1"),
+    ("silu_first", "SiLU comes after the affine"),
+    ("channel_in_group", "w and b are indexed by the channel within the group"),
+    ("interleaved", "a group is C // n_groups consecutive channels"),
+    address_case("unmasked", "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
+    ("hardcoded", "wrong with BLOCK=64: use the BLOCK argument everywhere"),
+])
+def test_04_6_rejects_wrong(mistake, hint):
+    passed, text = grade("04.6", group_norm_silu_kernel=GroupNormWith(mistake))
+    assert not passed
+    assert hint in text, text
+
+
+def test_04_6_stub_fails():
+    passed, text = grade("04.6", group_norm_silu_kernel=gn_stub)
+    assert not passed and "stub" in text, text

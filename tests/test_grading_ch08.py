@@ -340,3 +340,107 @@ def test_08_5_grades_speed_on_a_gpu():
         assert "the speed of PyTorch's LayerNorm backward" in speed[0] and "not graded" not in text, text
     else:
         assert passed and "speed needs a GPU" in speed[0], text
+
+
+# ---- 08.6 fused cross-entropy ----------------------------------------------------------------------
+
+
+@triton.jit
+def ce_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, n_cols, stride_x, stride_g, ignore_index, n_valid,
+              BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
+    # the max first, then the sum (two sweeps before the gradient's): a correct alternative to the online
+    # log-sum-exp, and, with MISTAKE set, the typical wrong versions
+    row = tl.program_id(0).to(tl.int64)
+    x_row = logits_ptr + row * stride_x
+    g_row = grad_ptr + row * stride_g
+    cols = tl.arange(0, BLOCK)
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    m = -float("inf")
+    if MISTAKE == "no_max":
+        m = 0.0
+    else:
+        for start in range(0, n_cols, BLOCK):
+            if MISTAKE == "unmasked":
+                x = tl.load(x_row + start + cols).to(tl.float32)
+            else:
+                x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=-float("inf")).to(tl.float32)
+            m = tl.maximum(m, tl.max(x, axis=0))
+    d = 0.0
+    for start in range(0, n_cols, BLOCK):
+        if MISTAKE == "unmasked":
+            x = tl.load(x_row + start + cols).to(tl.float32)
+        else:
+            x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=-float("inf")).to(tl.float32)
+        d += tl.sum(tl.exp(x - m), axis=0)
+    x_target = tl.load(x_row + target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, (m - x_target) + tl.log(d), 0.0))
+    scale = tl.where(valid, 1.0 / n_valid, 0.0)
+    if MISTAKE == "grad_not_divided":
+        scale = tl.where(valid, 1.0, 0.0)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(x - m) / d
+        g = tl.where(start + cols == target, p - 1.0, p) * scale
+        tl.store(g_row + start + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def ce_launcher(mistake=""):
+    def cross_entropy_fwd_bwd(logits, target, ignore_index=-100, BLOCK=1024):
+        import torch
+
+        n_rows, n_cols = logits.shape
+        n_valid = n_rows if mistake == "count_all_rows" else int((target != ignore_index).sum())
+        grad = torch.empty_like(logits)
+        loss = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+        ce_kernel[(n_rows,)](logits, grad, target, loss, n_cols, logits.stride(0), grad.stride(0), ignore_index,
+                             n_valid, BLOCK=BLOCK, MISTAKE=mistake)
+        return loss.sum() / n_valid, grad
+    return cross_entropy_fwd_bwd
+
+
+def test_08_6_accepts_correct():
+    from kernelcourse import losses
+
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher())
+    assert passed, text
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=lambda logits, target, ignore_index, BLOCK:
+                         losses.cross_entropy_forward_backward(logits, target, ignore_index, BLOCK=BLOCK))
+    assert passed, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("no_max", "exp() overflows for logits near 1000"),
+    ("count_all_rows", "the mean is over the rows that are not ignored"),
+    ("grad_not_divided", "the gradient of the mean is divided by the number of rows not ignored"),
+    pytest.param("unmasked", "past the end of `logits_ptr`", marks=pytest.mark.skipif(
+        kc.world().gpu, reason="the address check runs in Triton's interpreter")),
+])
+def test_08_6_rejects_wrong(mistake, hint):
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher(mistake))
+    assert not passed
+    assert hint in text, text
+
+
+def test_08_6_stub_and_kernel_instead_of_launcher_fail():
+    def stub(logits, target, ignore_index=-100, BLOCK=1024):
+        raise NotImplementedError
+
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=stub)
+    assert not passed and "not written yet" in text, text
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_kernel)
+    assert not passed and "plain Python function" in text, text
+
+
+def test_08_6_rejects_pytorch_doing_the_work():
+    import torch.nn.functional as F
+
+    def with_pytorch(logits, target, ignore_index=-100, BLOCK=1024):
+        x = logits.detach().clone().requires_grad_(True)
+        loss = F.cross_entropy(x, target, ignore_index=ignore_index)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=with_pytorch)
+    assert not passed and "tensors as large as the logits" in text, text

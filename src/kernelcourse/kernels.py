@@ -498,3 +498,183 @@ _define("residual_layer_norm(Tensor x, Tensor r, Tensor weight, Tensor bias, flo
 # its autograd is chapter 08's backward: kernelcourse.transformer registers it (ResidualLayerNorm)
 _define("matmul(Tensor a, Tensor b, str activation='') -> Tensor", matmul_lean, _mm_fake)
 _register_autograd("matmul", TritonMatmul)
+
+# ---- chapter 04: GroupNorm + SiLU in one kernel -----------------------------------------------------
+# (appended after the chapter 05 section so that edits above it stay separate; it belongs to chapter 04)
+
+__all__ += ["group_norm_silu", "group_norm_silu_ref", "group_norm_silu_kernel", "group_norm_stats_kernel",
+            "group_norm_apply_silu_kernel", "group_norm_split", "GROUP_NORM_CONFIGS"]
+
+
+def group_norm_silu_ref(x: torch.Tensor, n_groups: int, weight: torch.Tensor, bias: torch.Tensor,
+                        eps: float = 1e-5) -> torch.Tensor:
+    """The spec: ``silu(group_norm(x))`` in PyTorch, two kernels in eager mode (chapter 04)."""
+    return torch.nn.functional.silu(torch.nn.functional.group_norm(x, n_groups, weight, bias, eps))
+
+
+@triton.jit
+def group_norm_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, C, HW, n_groups, eps, BLOCK: tl.constexpr):
+    # One program per (batch, group). In a contiguous (B, C, H, W) tensor the group's C / n_groups
+    # channels of H * W values are one contiguous run of n elements, starting at pid * n.
+    pid = tl.program_id(0).to(tl.int64)  # int64: pid * n passes 2^31 on large inputs
+    per_group = C // n_groups
+    n = per_group * HW
+    x_row = x_ptr + pid * n
+    y_row = y_ptr + pid * n
+    first_channel = (pid % n_groups) * per_group
+    lanes = tl.arange(0, BLOCK)
+
+    # Pass 1: the statistics, in float32. The group is longer than a block, so each lane keeps a running
+    # sum and sum of squares over the chunks, added up once at the end. They are sums of x - shift, with
+    # shift one value of the group: E[(x - s)^2] - E[x - s]^2 is the variance for any s, and with s near
+    # the mean the two terms stay small, so a large mean (x = 1000 + noise) cannot cancel the digits
+    # the variance lives in.
+    shift = tl.load(x_row).to(tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + lanes
+        mask = offs < n  # the last chunk runs past the group: n need not be a multiple of BLOCK
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.where(mask, v - shift, 0.0)  # padding must add nothing, and 0 - shift would
+        acc += v
+        acc_sq += v * v
+    mean_shifted = tl.sum(acc, axis=0) / n
+    var = tl.maximum(tl.sum(acc_sq, axis=0) / n - mean_shifted * mean_shifted, 0.0)  # biased, as group_norm
+    mean = shift + mean_shifted
+    rstd = 1.0 / tl.sqrt(var + eps)
+
+    # Pass 2: normalise, the per-channel affine, then SiLU, and the only store. The group was just read,
+    # so on a GPU this second read mostly comes from the L2 cache, not from HBM.
+    for start in range(0, n, BLOCK):
+        offs = start + lanes
+        mask = offs < n
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        channel = first_channel + offs // HW  # w and b have one value per channel: a gather, cached
+        w = tl.load(w_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+        z = (v - mean) * rstd * w + b
+        tl.store(y_row + offs, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def group_norm_stats_kernel(x_ptr, part_ptr, C, HW, n_groups, TILE, BLOCK: tl.constexpr):
+    # The split version, step 1 of 2. Program (pid, s) adds up tile s (TILE values) of group pid: its
+    # sum and sum of squares about the group's first value, the same shift in every tile of the group.
+    pid = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n = C // n_groups * HW
+    x_row = x_ptr + pid * n
+    shift = tl.load(x_row).to(tl.float32)
+    lo = s * TILE
+    hi = tl.minimum(lo + TILE, n)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + lanes
+        mask = offs < hi
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.where(mask, v - shift, 0.0)
+        acc += v
+        acc_sq += v * v
+    part = part_ptr + (pid * tl.num_programs(1) + s) * 2
+    tl.store(part, tl.sum(acc, axis=0))
+    tl.store(part + 1, tl.sum(acc_sq, axis=0))
+
+
+@triton.jit
+def group_norm_apply_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, C, HW, n_groups, eps, TILE,
+                                 SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # The split version, step 2 of 2. Program (pid, s) combines its group's partial sums (a few
+    # values, the same for every tile) and writes tile s of y; x comes again, mostly from L2.
+    pid = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n_tiles = tl.num_programs(1)
+    per_group = C // n_groups
+    n = per_group * HW
+    x_row = x_ptr + pid * n
+    y_row = y_ptr + pid * n
+    parts = tl.arange(0, SPLIT)                        # SPLIT: n_tiles rounded up to a power of two
+    part = part_ptr + (pid * n_tiles + parts) * 2
+    sums = tl.load(part, mask=parts < n_tiles, other=0.0)
+    sums_sq = tl.load(part + 1, mask=parts < n_tiles, other=0.0)
+    mean_shifted = tl.sum(sums, axis=0) / n
+    var = tl.maximum(tl.sum(sums_sq, axis=0) / n - mean_shifted * mean_shifted, 0.0)
+    mean = tl.load(x_row).to(tl.float32) + mean_shifted
+    rstd = 1.0 / tl.sqrt(var + eps)
+    first_channel = (pid % n_groups) * per_group
+    lo = s * TILE
+    hi = tl.minimum(lo + TILE, n)
+    lanes = tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        offs = start + lanes
+        mask = offs < hi
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        channel = first_channel + offs // HW
+        w = tl.load(w_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+        z = (v - mean) * rstd * w + b
+        tl.store(y_row + offs, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def group_norm_split(programs: int, n: int, BLOCK: int = 1024) -> int:
+    """How many tiles to split each group into, on this GPU: none (1) when there are already two
+    programs per SM, else enough for about four programs per SM, at least a BLOCK of values per tile."""
+    if not world().gpu:
+        return 1
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multiprocessor_count
+    return 1 if programs >= 2 * sms else max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(n, BLOCK)))
+
+
+# Candidates for the autotuner on a GPU: the chunk each program loads per step, and the warps that share it.
+GROUP_NORM_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w)
+                      for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))]
+_group_norm_tuned = None
+
+
+def group_norm_silu(x: torch.Tensor, n_groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
+                    BLOCK: int | None = None, split: int | None = None) -> torch.Tensor:
+    """``silu(group_norm(x, n_groups, weight, bias, eps))`` in one kernel (chapter 04).
+
+    ``x`` is (B, C, ...) with C a multiple of ``n_groups``; ``weight`` and ``bias`` have C values. One
+    program per (batch, group) loops over its C / n_groups * H * W values twice: once for the statistics,
+    once to write y. On a GPU the chunk size and warps are autotuned per shape unless ``BLOCK`` is given;
+    on the CPU the chunk is at most 1024 values.
+
+    With ``split`` > 1 each group is cut into about ``split`` tiles and the work takes two kernels:
+    partial statistics per tile (``group_norm_stats_kernel``), then one program per tile that combines
+    its group's partial sums and writes y (``group_norm_apply_silu_kernel``): more programs where
+    there are few groups, for a second launch. ``split=None`` lets ``group_norm_split`` choose (1 on
+    the CPU); ``split=1`` is the one-kernel version.
+    """
+    global _group_norm_tuned
+    B, C = x.shape[:2]
+    assert C % n_groups == 0 and weight.shape == bias.shape == (C,)
+    x = x.contiguous()
+    HW = x[0, 0].numel()
+    y = torch.empty_like(x)
+    n = C // n_groups * HW
+    split = group_norm_split(B * n_groups, n) if split is None else split
+    if split > 1:
+        BLOCK = BLOCK or (1024 if world().gpu else min(1024, triton.next_power_of_2(n)))
+        TILE = triton.cdiv(triton.cdiv(n, split), BLOCK) * BLOCK  # a multiple of BLOCK: chunks never straddle tiles
+        tiles = triton.cdiv(n, TILE)
+        part = torch.empty((B * n_groups, tiles, 2), device=x.device, dtype=torch.float32)
+        grid = (B * n_groups, tiles)
+        group_norm_stats_kernel[grid](x, part, C, HW, n_groups, TILE, BLOCK=BLOCK, num_warps=4)
+        group_norm_apply_silu_kernel[grid](x, weight, bias, y, part, C, HW, n_groups, eps, TILE,
+                                           SPLIT=triton.next_power_of_2(tiles), BLOCK=BLOCK, num_warps=4)
+        return y
+    args = (x, weight, bias, y, C, HW, n_groups, eps)
+    grid = (B * n_groups,)
+    if BLOCK is None and world().gpu:
+        if _group_norm_tuned is None:
+            _group_norm_tuned = triton.autotune(GROUP_NORM_CONFIGS, key=["C", "HW", "n_groups"],
+                                                do_bench=gpu_time_for_autotune)(group_norm_silu_kernel)
+        _group_norm_tuned[grid](*args)
+        return y
+    if BLOCK is None:
+        BLOCK = min(1024, triton.next_power_of_2(C // n_groups * HW))
+    group_norm_silu_kernel[grid](*args, BLOCK=BLOCK, num_warps=4)
+    return y

@@ -354,3 +354,147 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
     if not torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2):
         return report.fail(f"{what}: the result is wrong at this size, so its speed is not graded")
     speed_vs_roof(report, what, lambda: rms_norm_rows(x, w, eps), 2 * x.nbytes + w.nbytes, SHORT_ROWS_AT_LEAST)
+
+
+# ---- 04.6 fused GroupNorm + SiLU -------------------------------------------------------------------
+
+
+def group_norm_silu64(x, w, b, n_groups, eps, denominator=None, silu_first=False, weight_channel=None,
+                      interleaved=False):
+    """silu(group_norm(x) * w + b) for x of shape (B, C, HW), in float64; the keyword arguments make the
+    typical mistakes: ``denominator(n)`` for the variance, SiLU before the affine, the channel each weight
+    is read at (``weight_channel(c)``), groups made of every n_groups-th channel."""
+    B, C, HW = x.shape
+    per = C // n_groups
+    ch = np.arange(C)
+    group_of = ch % n_groups if interleaved else ch // per
+    out = np.empty_like(x)
+    for g in range(n_groups):
+        sel = group_of == g
+        v = x[:, sel, :]                                   # (B, per, HW)
+        n = v[0].size
+        mean = v.mean(axis=(1, 2), keepdims=True)
+        var = ((v - mean) ** 2).sum(axis=(1, 2), keepdims=True) / (denominator(n) if denominator else n)
+        out[:, sel, :] = (v - mean) / np.sqrt(var + eps)
+    wc = ch if weight_channel is None else weight_channel(ch)
+    ww, bb = w[wc][None, :, None], b[wc][None, :, None]
+    if silu_first:
+        s = out / (1.0 + np.exp(-out))
+        return s * ww + bb
+    z = out * ww + bb
+    return z / (1.0 + np.exp(-z))
+
+
+def _gn_unmasked64(x_flat_full, w, b, shape, n_groups, eps, block):
+    """What a kernel whose loads are not masked computes: each group's statistics also take the values
+    past its end, up to the next multiple of BLOCK (the next group's, or the frame after x)."""
+    B, C, HW = shape
+    per = C // n_groups
+    n = per * HW
+    padded = -(-n // block) * block
+    out = np.empty((B * n_groups, n))
+    for p in range(B * n_groups):
+        run = x_flat_full[p * n: p * n + padded]
+        mean = run.sum() / n
+        var = max(((run * run).sum() / n - mean * mean), 0.0)
+        out[p] = (x_flat_full[p * n: p * n + n] - mean) / np.sqrt(var + eps)
+    out = out.reshape(B, C, HW)
+    z = out * w[None, :, None] + b[None, :, None]
+    return z / (1.0 + np.exp(-z))
+
+
+GN_BLOCKS_TRIED = (64, 128, 256, 512, 1024)
+
+
+@exercise("04.6", "fused GroupNorm + SiLU", names=("group_norm_silu_kernel",))
+@in_float32
+def grade_group_norm_silu(report: Report, group_norm_silu_kernel):
+    import torch
+
+    from ..kernels import group_norm_silu_ref
+
+    if (msg := not_a_kernel(group_norm_silu_kernel, "group_norm_silu_kernel")):
+        return report.fail(msg)
+    eps = 1e-5
+    # (B, C, H, W, groups, dtype, mean offset of the groups, the BLOCKs it is launched with):
+    # C / groups * H * W is a multiple of no block, H * W is odd in two cases; the fp16 case has a mean of
+    # about 100, so that float16 sums overflow (its sum of squares passes 65,504 after a few elements)
+    cases = sizes([(2, 6, 5, 7, 3, "fp32", 2.0, (64, 256)), (1, 10, 9, 11, 5, "fp32", 2.0, (128, 64)),
+                   (3, 4, 1, 1, 4, "fp32", 2.0, (64,)), (2, 8, 16, 17, 2, "fp16", 100.0, (1024, 256))],
+                  [(2, 320, 64, 64, 32, "fp16", 100.0, (1024, 4096)), (8, 1280, 16, 16, 32, "fp16", 4.0, (2048,))])
+    for B, C, H, W, G, dtype, offset, blocks in cases:
+        rng = np.random.default_rng(B * 1000 + C * 10 + H * W)
+        HW = H * W
+        data = rand(rng, (B, C, HW)) + np.repeat(rng.uniform(-offset, offset, (B, G)), C // G, axis=1)[:, :, None]
+        x_full, x = framed(data.ravel(), dtype, PAD)
+        _, w = framed(rng.uniform(0.5, 1.5, C) * rng.choice([-1.0, 1.0], C), dtype, NAN)
+        _, b = framed(rng.uniform(-1.0, 1.0, C), dtype, NAN)
+        xs, ws, bs = exact(x).reshape(B, C, HW), exact(w), exact(b)
+        truth = group_norm_silu64(xs, ws, bs, G, eps).ravel()
+        xt = x.reshape(B, C, H, W)
+        if x.dtype == torch.float16 and not world().gpu:  # eager fp16 GroupNorm on the CPU: through float32
+            reference = host(group_norm_silu_ref(xt.float(), G, w.float(), b.float(), eps).half()).ravel()
+        else:
+            reference = host(group_norm_silu_ref(xt, G, w, b, eps)).ravel()
+        for block in blocks:
+            n = C // G * HW
+            y_full, y = framed(np.full(B * C * HW, POISON), dtype, POISON)
+            what = f"({B}, {C}, {H}, {W}) {dtype}, {G} groups of {n} value(s), BLOCK {block}"
+            if not launch(report, what, group_norm_silu_kernel, (B * G,), x, w, b, y, C, HW, G, eps, BLOCK=block):
+                return
+            if outside_writes(POISON, y_full, data_mask(y_full.shape, y.numel())):
+                return report.fail(f"{what}: wrote past the end of y: the group's last chunk runs past its "
+                                   f"{n} values; mask the store with offs < n")
+            got = host(y)
+            if nothing_written(got):
+                return report.fail(f"{what}: {STUB}")
+            passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+            if not passed:
+                tol = tolerance(truth, reference, got.dtype)
+                per = C // G
+                mistakes = [
+                    ("the variance divides by n - 1; GroupNorm's divides by n, the number of values in the group",
+                     group_norm_silu64(xs, ws, bs, G, eps, denominator=lambda m: m - 1).ravel()),
+                    ("the statistics count the padding past n: divide by n, and keep masked lanes out of the sums "
+                     "(tl.where(mask, v, 0.0), or other=0.0 and no shift on padding)",
+                     group_norm_silu64(xs, ws, bs, G, eps, denominator=lambda m: -(-m // block) * block).ravel()),
+                    ("SiLU comes after the affine: silu(x_hat * w + b), not silu(x_hat) * w + b",
+                     group_norm_silu64(xs, ws, bs, G, eps, silu_first=True).ravel()),
+                    ("w and b are indexed by the channel within the group; the channel is "
+                     "group * (C // n_groups) + offs // HW",
+                     group_norm_silu64(xs, ws, bs, G, eps, weight_channel=lambda c: c % per).ravel()),
+                    ("a group is C // n_groups consecutive channels, not every n_groups-th channel",
+                     group_norm_silu64(xs, ws, bs, G, eps, interleaved=True).ravel() if per > 1 and G > 1 else None),
+                    ("the loads are not masked: the group's last chunk reads values past its end into the "
+                     "statistics; mask with offs < n",
+                     _gn_unmasked64(exact(x_full).ravel(), ws, bs, (B, C, HW), G, eps, block).ravel()
+                     if n % block else None),
+                ]
+                hint = None if "never written" in line else diagnose(got, mistakes, tol, truth=truth)
+                if hint is None and not np.isfinite(got.astype(np.float64)).all():
+                    hint = ("NaN or Inf: with values near 100 in float16, the sums (and x * x, near 10^4) pass "
+                            "float16's largest value 65,504: convert to float32 after loading and accumulate "
+                            "in float32")
+                if hint is None:
+                    right_with = [blk for blk in GN_BLOCKS_TRIED if blk != block and _gn_passes(
+                        group_norm_silu_kernel, B * G, x, w, b, C, HW, G, eps, blk, truth, reference, dtype)]
+                    if right_with:
+                        hint = (f"right with BLOCK={right_with[0]}, wrong with BLOCK={block}: use the BLOCK argument "
+                                "everywhere (tl.arange(0, BLOCK), the loop's step), not a number")
+                if hint is None and "never written" in line:
+                    hint = ("each program owns one (batch, group), the n = C // n_groups * HW values from pid * n "
+                            "on; loop over all of them, BLOCK at a time")
+                if hint:
+                    line += f": {hint}"
+            if not report.expect(passed, line, line):
+                return
+
+
+def _gn_passes(kernel, programs, x, w, b, C, HW, G, eps, block, truth, reference, dtype) -> bool:
+    """Whether the kernel's result is right when launched with another BLOCK (no line is recorded)."""
+    _, y = framed(np.full(x.numel(), POISON), dtype, POISON)
+    try:
+        kernel[(programs,)](x, w, b, y, C, HW, G, eps, BLOCK=block)
+    except Exception:  # noqa: BLE001
+        return False
+    return compare(host(y), truth, reference, what="", rtol_floor=rounding_floor(host(y).dtype))[0]

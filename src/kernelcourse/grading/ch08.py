@@ -321,3 +321,155 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     speed_vs_peer(report, f"LayerNorm backward at {n_rows} x {n_cols} bf16",
                   lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
                   T.torch_layer_norm_backward(h, w, dy, EPS), "PyTorch's LayerNorm backward", 0.9)
+
+
+# ---- 08.6 fused cross-entropy: the loss and the gradient of the logits in one pass --------------------
+
+
+def cross_entropy64(x, target, ignore_index):
+    """(mean loss, d loss / d x) of F.cross_entropy in float64, rows whose target is ignore_index left out."""
+    m = x.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+    valid = target != ignore_index
+    rows = np.flatnonzero(valid)
+    count = max(int(valid.sum()), 1)
+    loss = float((lse[rows, 0] - x[rows, target[rows]]).sum() / count) if rows.size else float("nan")
+    grad = np.exp(x - lse)
+    grad[rows, target[rows]] -= 1.0
+    grad[~valid] = 0.0
+    return loss, grad / count, lse[:, 0], valid
+
+
+@exercise("08.6", "fused cross-entropy: loss and gradient in one pass", names=("cross_entropy_fwd_bwd",))
+def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
+    import torch
+    import torch.nn.functional as F
+
+    from .harness import rounding_floor, to_numpy
+
+    if not callable(cross_entropy_fwd_bwd) or hasattr(cross_entropy_fwd_bwd, "__getitem__"):
+        return report.fail("cross_entropy_fwd_bwd should be a plain Python function that launches your kernel and "
+                           "returns (loss, grad), not the kernel itself")
+    dev = world().device
+    # (rows, vocabulary, dtype, ignore_index, the BLOCKs it is called with): no vocabulary is a multiple of a
+    # block; every third row has logits near 1000 (exp overflows unless the max is subtracted)
+    cases = sizes([(6, 1000, "fp32", -100, (256, 1024)), (5, 257, "fp32", 3, (64,)), (7, 130, "fp16", -100, (64, 128))],
+                  [(512, 50257, "fp32", -100, (4096,)), (300, 32003, "fp16", -100, (2048,))])
+    counted = False
+    for rows, V, dtype, ignore_index, blocks in cases:
+        rng = np.random.default_rng(rows * 100003 + V)
+        data = rand(rng, (rows, V), scales=(1.0, 3.0))
+        data[1::3] += 1000.0
+        target = rng.integers(0, V, rows)
+        target[0] = ignore_index                       # an ignored row (padding)
+        if ignore_index >= 0:
+            target[target == ignore_index] = (ignore_index + 1) % V
+            target[0] = ignore_index
+        for block in blocks:
+            # logits: a view into a wider tensor whose extra columns hold a finite pad
+            _, logits = framed(data, dtype, PAD, pad_rows=1, pad_cols=max(blocks) + 3)
+            tgt = torch.from_numpy(target).to(dev)
+            xs = exact(logits)
+            loss64, grad64, lse64, valid = cross_entropy64(xs, target, ignore_index)
+            what = f"{rows} x {V} {dtype}, ignore_index={ignore_index}, BLOCK={block}"
+            ref_x = logits.detach().clone().float().requires_grad_(True) if dtype == "fp16" and not world().gpu \
+                else logits.detach().clone().requires_grad_(True)
+            ref_loss = F.cross_entropy(ref_x, tgt, ignore_index=ignore_index)
+            ref_loss.backward()
+            ref_grad = host(ref_x.grad.to(logits.dtype))
+            made = _LargeTensors(rows * V)
+            if counted:  # the count slows the interpreter down: the first call is enough to see how it works
+                got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
+            else:
+                with made:
+                    got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
+                counted = True
+            got = as_tuple(report, what, got, 2)
+            if got is None:
+                return
+            if world().gpu:
+                torch.cuda.synchronize()
+            loss, grad = got
+            try:
+                loss = float(loss.item() if hasattr(loss, "item") else loss)
+            except (TypeError, ValueError, RuntimeError):
+                return report.fail(f"{what}: the loss is {type(loss).__name__}, not a number (a 0-d tensor or a float)")
+            if not hasattr(grad, "shape") or tuple(grad.shape) != (rows, V):
+                return report.fail(f"{what}: the gradient has shape {tuple(getattr(grad, 'shape', ()))}, "
+                                   f"expected ({rows}, {V}), one value per logit")
+            n_valid, count_all = int(valid.sum()), rows
+            tol = max(2 * abs(float(ref_loss) - loss64), 8 * float(np.finfo(np.float32).eps) * abs(loss64), 1e-6)
+            if not math.isfinite(loss) or abs(loss - loss64) > tol:
+                if not math.isfinite(loss):
+                    hint = ("exp() overflows for logits near 1000: keep the running max m and a running sum of "
+                            "exp(x - m), rescaled by exp(m_old - m_new) when the max grows")
+                elif math.isclose(loss, loss64 * n_valid / count_all, rel_tol=1e-3):
+                    hint = ("the mean is over the rows that are not ignored: divide by the number of targets "
+                            "!= ignore_index, not by the number of rows")
+                else:
+                    hint = ("the loss of a row is logsumexp(x) - x[target], 0 for an ignored row; the mean divides "
+                            "their sum by the number of rows not ignored")
+                return report.fail(f"{what}: loss {loss:.6g}, expected {loss64:.6g} (tolerance {tol:.2g}): {hint}")
+            report.ok(f"{what}: loss {loss:.6g} matches (error {abs(loss - loss64):.2g})")
+            if len(made.ops) > 1:
+                return report.fail(f"{what}: the launcher made {len(made.ops)} tensors as large as the logits "
+                                   f"({', '.join(made.ops[:4])}): only the gradient should be one; compute the softmax "
+                                   "inside the kernel (and pass the logits' row stride rather than a contiguous copy)")
+            g = to_numpy(grad)
+            ok, line = compare(g, grad64, ref_grad, what=f"{what}: the gradient",
+                               rtol_floor=rounding_floor(g.dtype))
+            if not ok:
+                pad_cols = -(-V // block) * block - V
+                unmasked = np.concatenate([xs, np.full((rows, pad_cols), PAD)], axis=1)
+                lse_unmasked = unmasked.max(1, keepdims=True) + np.log(
+                    np.exp(unmasked - unmasked.max(1, keepdims=True)).sum(1, keepdims=True))
+                g_unmasked = np.exp(xs - lse_unmasked)
+                r = np.flatnonzero(valid)
+                g_unmasked[r, target[r]] -= 1.0
+                g_unmasked[~valid] = 0.0
+                hint = diagnose(g, [
+                    ("the gradient of the mean is divided by the number of rows not ignored: "
+                     "(softmax(x) - onehot(target)) / n_valid", grad64 * n_valid),
+                    ("divide the gradient by the number of rows not ignored, not by the number of rows",
+                     grad64 * n_valid / count_all),
+                    ("an ignored row gets no gradient: store zeros in its row", None),
+                    ("the last chunk of the row runs past the vocabulary: mask it (cols < n_cols, other=-inf for "
+                     "the max and the sum) so that no value past the row gets into the log-sum-exp",
+                     (g_unmasked / max(n_valid, 1)) if pad_cols else None),
+                ], tolerance(grad64, ref_grad, g.dtype), truth=grad64)
+                if hint is None and np.isfinite(grad64).all() and not np.isfinite(g.astype(np.float64)).all():
+                    hint = ("NaN or Inf: exp() overflows for logits near 1000: subtract the running max before "
+                            "exp, and rescale the running sum when the max grows")
+                if hint is None and np.abs(g[~valid]).max(initial=0.0) > 0:
+                    hint = "an ignored row gets no gradient: store zeros in its row"
+                if hint:
+                    line += f": {hint}"
+            if not report.expect(ok, line, line):
+                return
+
+
+def _LargeTensors(numel: int):
+    """A dispatch mode that lists the PyTorch ops (not views) that made a tensor of at least ``numel``
+    elements, in ``.ops``: a Triton launch is no PyTorch op, so a launcher whose kernel does the work
+    lists only the buffers it allocates."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LargeTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            # views and in-place ops make no new tensor; the interpreter's launch moves bytes (uint8), not floats
+            if not getattr(func, "is_view", False) and not name.endswith("_"):
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel() >= numel:
+                        self.ops.append(name)
+                        break
+            return out
+
+    return LargeTensors()

@@ -1,0 +1,107 @@
+"""The fused cross-entropy of chapter 08 (kernelcourse.losses): loss and gradient against F.cross_entropy in
+float64, on vocabularies that are not multiples of the chunk, with ignored rows; the operator passes opcheck
+and compiles. Kernels run in Triton's interpreter on the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelcourse as kc
+from kernelcourse import losses as L
+
+DEV = kc.world().device
+
+
+def _case(n, v, seed, scale=30.0, ignored=(1,)):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, v, generator=g, dtype=torch.float64) * scale).float()
+    t = torch.randint(0, v, (n,), generator=g)
+    for i in ignored:
+        if i < n:
+            t[i] = -100
+    return x.to(DEV), t.to(DEV)
+
+
+@pytest.mark.parametrize("n, v, block", [(5, 1000, 256), (7, 257, 64), (3, 1, 64), (4, 1024, 1024), (6, 300, None)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_loss_and_gradient_match_float64(n, v, block, reduction):
+    x, t = _case(n, v, seed=n * v)
+    loss, grad = L.cross_entropy_forward_backward(x, t, reduction=reduction, BLOCK=block)
+    x64 = x.double().requires_grad_(True)
+    want = F.cross_entropy(x64, t, reduction=reduction)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
+    assert (grad[1] == 0).all() if n > 1 else True  # an ignored row gets no gradient
+
+
+def test_large_logits_do_not_overflow_and_in_place_overwrites_the_logits():
+    x, t = _case(4, 777, seed=3, scale=1.0, ignored=())
+    x = x + 5000.0  # exp(5000) overflows: the max must be subtracted
+    want_x = x.double().requires_grad_(True)
+    want = F.cross_entropy(want_x, t)
+    want.backward()
+    buf = x.clone()
+    loss, grad = L.cross_entropy_forward_backward(buf, t, grad=buf, BLOCK=128)
+    assert grad.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(buf.double(), want_x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_all_rows_ignored_gives_nan_like_pytorch():
+    x, t = _case(3, 50, seed=1, ignored=(0, 1, 2))
+    loss, grad = L.cross_entropy_forward_backward(x, t)
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(x, t))
+    assert (grad == 0).all()
+
+
+def test_operator_autograd_matches_and_a_scaled_loss_scales_the_gradient():
+    x, t = _case(6, 300, seed=7)
+    for factor in (1.0, 0.25):
+        a = x.clone().requires_grad_(True)
+        (L.cross_entropy(a, t) * factor).backward()
+        b = x.double().requires_grad_(True)
+        (F.cross_entropy(b, t) * factor).backward()
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck_passes():
+    x, t = _case(6, 300, seed=11)
+    x.requires_grad_(True)
+    result = torch.library.opcheck(torch.ops.kernelcourse.cross_entropy.default, (x, t, -100, "mean"))
+    assert all(v == "SUCCESS" for v in result.values()), result
+    result = torch.library.opcheck(torch.ops.kernelcourse.cross_entropy.default, (x, t, -100, "sum"))
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_compiles_with_fullgraph():
+    x, t = _case(5, 129, seed=5)
+    a = x.clone().requires_grad_(True)
+    loss = torch.compile(lambda lg, tg: L.cross_entropy(lg, tg), fullgraph=True)(a, t)
+    loss.backward()
+    b = x.double().requires_grad_(True)
+    F.cross_entropy(b, t).backward()
+    torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not kc.world().gpu, reason="the benchmark needs a CUDA GPU")
+def test_bench_cross_entropy_runs_small():
+    rows = L.bench_cross_entropy(n_tokens=256, vocab=1000)
+    assert {r["impl"] for r in rows} >= {"eager F.cross_entropy", "torch.compile", "fused (kernelcourse::cross_entropy)"}
+    fused = next(r for r in rows if r["impl"] == "fused (kernelcourse::cross_entropy)")
+    assert fused["mem_vs_eager"] < 1.0
+
+
+def test_the_gradient_buffer_made_in_the_forward_becomes_the_logits_grad_without_a_copy(monkeypatch):
+    made = []
+    original = L.cross_entropy_forward_backward
+
+    def spy(*args, **kwargs):
+        loss, grad = original(*args, **kwargs)
+        made.append(grad.data_ptr())
+        return loss, grad
+
+    monkeypatch.setattr(L, "cross_entropy_forward_backward", spy)
+    x, t = _case(6, 300, seed=2)
+    x.requires_grad_(True)
+    L.cross_entropy(x, t).backward()
+    assert x.grad.data_ptr() == made[0]  # one N x V buffer in all: the memory the benchmark's target counts on
