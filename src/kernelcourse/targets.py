@@ -164,7 +164,7 @@ def _compile_here(fn, cc: int, constexprs: dict, types: dict | None, dtype: str,
 _SUBPROCESS = r"""
 import importlib, json, sys
 import kernelcourse.targets as T
-jobs = json.loads(sys.stdin.read())
+jobs = json.loads(sys.argv[1])
 out = []
 for module, name, cc, constexprs, types, dtype, warps, stages in jobs:
     fn = T._jit_function(getattr(importlib.import_module(module), name))
@@ -183,8 +183,8 @@ def _interpreted(fn) -> bool:
 
 def lowerings(jobs: list[dict]) -> list[Lowering]:
     """Compile several (kernel, target) jobs, each a dict of ``compile_for``'s arguments. Where Triton's
-    interpreter is on (the CPU world), kernels are not compiled in this process: the jobs run together
-    in one child process without the interpreter (the kernels must be importable from their module)."""
+    interpreter is on (the CPU world), kernels are not compiled in this process: the jobs run in a few
+    child processes without the interpreter (the kernels must be importable from their module)."""
     fns = [_jit_function(j["kernel"]) for j in jobs]
     norm = [dict(cc=int(j["cc"]), constexprs=dict(j.get("constexprs", {})), types=j.get("types"),
                  dtype=j.get("dtype", "fp16"), num_warps=int(j.get("num_warps", 4)),
@@ -204,12 +204,18 @@ def lowerings(jobs: list[dict]) -> list[Lowering]:
     # what this process imports from, the child does too: this package first, then this process's path
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, [src, *sys.path, env.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-c", _SUBPROCESS], input=json.dumps(payload), capture_output=True,
-                         text=True, env=env, timeout=1800)
-    if run.returncode != 0:
-        raise RuntimeError(f"compiling for other GPUs failed: {run.stderr.strip()[-2000:]}")
+    # the jobs dealt out to a few child processes at once (compiling is single-threaded)
+    n = max(1, min(len(payload), os.cpu_count() or 1, 4))
+    procs = [subprocess.Popen([sys.executable, "-c", _SUBPROCESS, json.dumps(payload[i::n])], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
+    results: list = [None] * len(payload)
+    outputs = [p.communicate(timeout=1800) for p in procs]
+    for i, (p, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            raise RuntimeError(f"compiling for other GPUs failed: {stderr.strip()[-2000:]}")
+        results[i::n] = json.loads(stdout.strip().splitlines()[-1])
     out = []
-    for job, res in zip(payload, json.loads(run.stdout.strip().splitlines()[-1])):
+    for job, res in zip(payload, results):
         if "error" in res:
             raise RuntimeError(f"{job[1]} for sm_{job[2]}: {res['error']}")
         out.append(Lowering(res["cc"], res["counts"], res["shared"], res["num_warps"]))
