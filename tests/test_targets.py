@@ -12,6 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import triton
+import triton.language as tl
 
 import kernelcourse.attention as A
 import kernelcourse.attention_backward as AB
@@ -244,3 +245,70 @@ def test_the_pre_hopper_path_on_an_h100_is_ampere_s(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts["mma"] == 16 and counts["wgmma"] == 0, counts
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not __import__("kernelcourse").world().gpu, reason="needs a CUDA GPU")
+
+
+@needs_gpu
+def test_the_unit_read_on_this_gpu_is_what_its_target_gets():
+    """kc.kernels.matmul_kernel launched here: the unit read from its compiled PTX is the one compiling for
+    this GPU's target gives (on an H100 under DISABLE_MMA_V3=1, Ampere's mma.sync)."""
+    import torch
+
+    a = torch.randn(256, 256, device="cuda", dtype=torch.float16)
+    c = torch.empty_like(a)
+    compiled = K.matmul_kernel[(16,)](a, a, c, 256, 256, 256, 256, 1, 256, 1, 256, 1, BLOCK_M=64, BLOCK_N=64,
+                                      BLOCK_K=32, GROUP_M=8, ACTIVATION="", num_warps=4, num_stages=3)
+    torch.testing.assert_close(c.float(), a.float() @ a.float(), rtol=2e-2, atol=0.5)
+    major, minor = torch.cuda.get_device_capability()
+    want = "fma" if major < 8 else "wgmma" if major == 9 and os.environ.get("DISABLE_MMA_V3") != "1" else "mma"
+    assert T.unit_on_this_gpu(compiled) == T.unit_on_this_gpu(K.matmul_kernel) == want
+
+
+@triton.jit
+def _fma_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * K + offs_k[None, :]
+    b_ptrs = b_ptr + offs_k[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):  # square sizes, multiples of the tiles: no masks
+        acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, input_precision="ieee")  # fp32: FMA on any GPU
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * N
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc)
+
+
+@needs_gpu
+def test_a_tl_dot_on_cuda_cores_reaches_the_fraction_of_sgemm_that_05_4_asks():
+    """Where Triton runs tl.dot on CUDA cores (a T4), exercise 05.4 asks for SPEED_VS_SGEMM of cuBLAS's
+    fp32 SGEMM. On any GPU an fp32 tl.dot with input_precision="ieee" is compiled to the same scalar FMA,
+    so this measures, on the GPU at hand, what that lowering reaches with the tiles 05.4's solution picks
+    on a T4 (128 x 128 x 32, 4 warps, 3 stages): the fraction asked must be within reach."""
+    import torch
+
+    from kernelcourse.bench import do_bench
+    from kernelcourse.grading.ch05 import SPEED_VS_SGEMM
+
+    n = 4096
+    a, b = (torch.randn(n, n, device="cuda") for _ in range(2))
+    c, ref = torch.empty_like(a), torch.empty_like(a)
+    launch = lambda: _fma_matmul_kernel[(n // 128, n // 128)](a, b, c, n, n, n, BLOCK_M=128, BLOCK_N=128,  # noqa: E731
+                                                               BLOCK_K=32, num_warps=4, num_stages=3)
+    compiled = launch()
+    assert T.unit_on_this_gpu(compiled) == "fma"
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.matmul(a, b, out=ref)
+        torch.testing.assert_close(c, ref, rtol=1e-4, atol=1e-3)
+        ratio = do_bench(lambda: torch.matmul(a, b, out=ref)) / do_bench(launch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    print(f"an FMA tl.dot at 128 x 128 x 32: {ratio:.2f}x cuBLAS's fp32 SGEMM on {torch.cuda.get_device_name()}")
+    assert ratio >= SPEED_VS_SGEMM, f"{ratio:.2f}x SGEMM, and 05.4 asks {SPEED_VS_SGEMM}x on a T4"
