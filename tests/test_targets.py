@@ -43,12 +43,12 @@ def test_instruction_counts_and_the_unit_they_mean():
 def test_each_colab_gpu_has_its_target_and_budget():
     assert [T.target_for(c).gpu for c in ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0))] == ["T4", "A100", "A100", "L4", "H100"]
     assert T.target_for((7, 0)) is None and T.target_for((12, 0)) is None
-    assert T.TARGETS[75].smem_per_block == 64 * 1024 and T.TARGETS[90].smem_per_block == 227 * 1024
-    assert not T.TARGETS[75].bf16 and all(T.TARGETS[c].bf16 for c in (80, 89, 90))
+    assert T.COLAB_GPUS[75].smem_per_block == 64 * 1024 and T.COLAB_GPUS[90].smem_per_block == 227 * 1024
+    assert not T.COLAB_GPUS[75].bf16 and all(T.COLAB_GPUS[c].bf16 for c in (80, 89, 90))
     from kernelcourse.roofline import DATASHEET
 
     rows = {r["gpu"] for r in DATASHEET}
-    assert {t.datasheet for t in T.TARGETS.values()} <= rows, "each target's peaks are in chapter 02's table"
+    assert {t.datasheet for t in T.COLAB_GPUS.values()} <= rows, "each target's peaks are in chapter 02's table"
 
 
 class _Compiled:
@@ -126,12 +126,12 @@ def compiled(tmp_path_factory):
         # chapter 06's first version, pointer loads: any GPU
         jobs[("fwd v1", cc)] = dict(kernel=A.flash_attention_v1_kernel, cc=cc, types=FP32, num_stages=2,
                                     constexprs=dict(HEAD_DIM=32, BLOCK_M=32, BLOCK_N=32, CAUSAL=True))
-        smem = T.TARGETS[cc].smem_per_block
+        smem = T.COLAB_GPUS[cc].smem_per_block
         # d = 128 takes the most shared memory per tile; on a T4 its FMA kernels take minutes to compile, so
         # d = 64 there unless KC_TARGETS_FULL=1 (the course's T4 runs use d = 64)
         d = 128 if cc >= 80 or FULL else 64
         # the forward that flash_attention runs by default there, with the largest tiles its pruner keeps
-        version = A.default_version(T.TARGETS[cc].capability)
+        version = A.default_version(T.COLAB_GPUS[cc].capability)
         pool = A.FWD_CONFIGS if version in A._DESCRIPTORS else A._POINTER_CONFIGS
         prune = lambda configs, budget: _with_smem(budget, lambda: A._prune(configs, {"N_Q": 4096}, HEAD_DIM=d))  # noqa: E731
         c = _biggest_kept(prune, pool, smem, lambda c: A._smem_bytes(c, d))
@@ -212,7 +212,7 @@ def test_every_tl_dot_kernel_runs_on_the_expected_unit_and_fits(compiled, cc):
         if not low.fits:
             misfits.add(label)
             assert label in KNOWN_MISFITS, (f"{label[0]} on sm_{cc} takes {low.shared} bytes of shared memory, more "
-                                            f"than a {T.TARGETS[cc].gpu}'s {T.TARGETS[cc].smem_per_block}")
+                                            f"than a {T.COLAB_GPUS[cc].gpu}'s {T.COLAB_GPUS[cc].smem_per_block}")
     fixed = {label for label in KNOWN_MISFITS if label[1] == cc and label in compiled} - misfits
     assert not fixed, f"these fit now: remove them from KNOWN_MISFITS: {sorted(fixed)}"
 
@@ -221,8 +221,8 @@ def test_every_tl_dot_kernel_runs_on_the_expected_unit_and_fits(compiled, cc):
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
 def test_every_candidate_the_pruners_keep_fits_the_target(cc, d):
     """All head dims, all three pruners, by their own estimate (the compiled ones above check the estimate)."""
-    budget = T.TARGETS[cc].smem_per_block
-    version = A.default_version(T.TARGETS[cc].capability)
+    budget = T.COLAB_GPUS[cc].smem_per_block
+    version = A.default_version(T.COLAB_GPUS[cc].capability)
     pool = A.FWD_CONFIGS if version in A._DESCRIPTORS else A._POINTER_CONFIGS
     for n in (40, 1000, 8192):
         _biggest_kept(lambda cs, b: _with_smem(b, lambda: A._prune(cs, {"N_Q": n}, HEAD_DIM=d)), pool, budget,

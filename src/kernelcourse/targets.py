@@ -25,7 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Target", "TARGETS", "UNITS", "count_instructions", "unit_of_counts", "unit_of_ptx", "Lowering",
+__all__ = ["Target", "COLAB_GPUS", "UNITS", "count_instructions", "unit_of_counts", "unit_of_ptx", "Lowering",
            "compile_for", "lowerings", "unit_on_this_gpu", "speed_peer", "target_for"]
 
 
@@ -48,7 +48,7 @@ class Target:
 
 # The GPUs of Colab, oldest first. Shared memory per block is what CUDA lets one block opt in to
 # (cudaDevAttrMaxSharedMemoryPerBlockOptin, which Triton reports as max_shared_mem).
-TARGETS: dict[int, Target] = {
+COLAB_GPUS: dict[int, Target] = {
     75: Target("T4", 75, 64 * 1024, "T4", bf16=False),
     80: Target("A100", 80, 163 * 1024, "A100 80GB SXM", bf16=True),
     89: Target("L4", 89, 99 * 1024, "L4", bf16=True),
@@ -91,7 +91,7 @@ def target_for(capability) -> Target | None:
     """The Colab GPU whose compiled code a GPU of this capability ((8, 6) or 86) shares, if any: the newest
     target at or below it within the same major version."""
     cc = capability[0] * 10 + capability[1] if isinstance(capability, tuple) else int(capability)
-    same_major = [t for t in TARGETS.values() if t.cc // 10 == cc // 10 and t.cc <= cc]
+    same_major = [t for t in COLAB_GPUS.values() if t.cc // 10 == cc // 10 and t.cc <= cc]
     return max(same_major, key=lambda t: t.cc) if same_major else None
 
 
@@ -112,8 +112,8 @@ class Lowering:
 
     @property
     def fits(self) -> bool:
-        """Whether its shared memory fits the target's budget per block (for the targets in TARGETS)."""
-        return self.shared <= TARGETS[self.cc].smem_per_block if self.cc in TARGETS else True
+        """Whether its shared memory fits the target's budget per block (for the targets in COLAB_GPUS)."""
+        return self.shared <= COLAB_GPUS[self.cc].smem_per_block if self.cc in COLAB_GPUS else True
 
 
 def _jit_function(kernel):
