@@ -168,7 +168,9 @@ def compiled(tmp_path_factory):
         for cc in CCS:
             jobs[(f"solution {name}", cc)] = dict(kernel=solutions[name], cc=cc, constexprs=consts, types=FP32,
                                                   num_stages=2)
-    return dict(zip(jobs, T.lowerings(list(jobs.values()))))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("DISABLE_MMA_V3", raising=False)  # what each GPU gets by default, also under gpu_check --pre-hopper
+        return dict(zip(jobs, T.lowerings(list(jobs.values()))))
 
 
 def _with_smem(budget, fn):
