@@ -10,16 +10,21 @@ PIP_INSTALL ?= -r requirements.txt
 # The libraries whose releases change the course's results; test-latest takes the newest of each.
 NEWEST := torch triton numpy numba numba-cuda
 LATEST_VENV := .venv-latest
+# The oldest torch and triton the course supports (kernelcourse/world.py's OLDEST says the same);
+# test-oldest checks the course on them.
+OLDEST_PINS := torch==2.8.0 triton==3.4.0
+OLDEST_VENV := .venv-oldest
 # gpu-check uses the interpreter it is given (make gpu-check PYTHON=python3), else .venv's when there is
 # one, else python3. It never builds .venv: a GPU machine's own Python, offline, is enough.
 GPU_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(or $(wildcard $(BIN)/python),$(PYTHON)))
 
-.PHONY: help install book test test-latest gpu-check lab mywork grade exercises stamp clean
+.PHONY: help install book test test-latest test-oldest gpu-check lab mywork grade exercises stamp clean
 
 help:
 	@echo "make book       build the website into _build/html"
 	@echo "make test       everything CI checks"
 	@echo "make test-latest   make test on the newest releases of $(NEWEST), in $(LATEST_VENV)"
+	@echo "make test-oldest   make test on the oldest releases the course supports ($(OLDEST_PINS)), in $(OLDEST_VENV)"
 	@echo "make gpu-check  on a CUDA GPU: unit tests, every notebook, every grade; one summary table"
 	@echo "make lab        JupyterLab on the course"
 	@echo "make mywork     copy the exercises into mywork/, your own folder (never overwritten)"
@@ -63,10 +68,20 @@ test-latest:
 	@$(LATEST_VENV)/bin/python -c 'from kernelcourse.world import versions; print("newest releases:", versions())'
 	$(MAKE) test VENV=$(LATEST_VENV)
 
+# The third CI job: the same checks on the oldest torch and triton the course supports (requirements.txt's
+# other lines as they are), in a virtual environment of its own. CI passes the CPU index of PyTorch.
+test-oldest:
+	rm -f $(OLDEST_VENV)/.installed
+	$(MAKE) install VENV=$(OLDEST_VENV) PIP_INSTALL='$(OLDEST_PINS) -r <(grep -vE "^(torch|triton)\b" requirements.txt)'
+	@$(OLDEST_VENV)/bin/python -c 'from kernelcourse.world import versions; print("oldest releases:", versions())'
+	$(MAKE) test VENV=$(OLDEST_VENV)
+
 # CHAPTERS="01 02" checks those chapters only (their notebooks and tests, and the tests of no chapter);
-# PARTS="tests grades" runs only those parts (tests, lessons, solutions, grades).
+# PARTS="tests grades" runs only those parts (tests, lessons, solutions, grades); PREHOPPER=1 checks, on a
+# Hopper GPU, the paths of GPUs before Hopper (tools/gpu_check.py --pre-hopper).
 gpu-check:
-	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS)) $(addprefix --only ,$(PARTS))
+	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS)) $(addprefix --only ,$(PARTS)) \
+		$(if $(PREHOPPER),--pre-hopper)
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab

@@ -23,3 +23,91 @@ def test_a_part_left_out_is_listed_and_neither_passes_nor_fails():
 
 def test_a_part_that_ran_nothing_is_not_a_pass():
     assert not gpu_check.Part("unit tests", "test").ok
+
+
+def test_pre_hopper_mode_sets_what_gpus_before_hopper_get():
+    env = gpu_check.mode_env(gpu_check.parse_args(["--pre-hopper", "--chapter", "06"]))
+    assert env == {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "8.0", "KC_MAX_SHARED_MEM": str(99 * 1024)}
+    env = gpu_check.mode_env(gpu_check.parse_args(["--pre-hopper", "--max-shared-mem", "65536"]))
+    assert env["KC_MAX_SHARED_MEM"] == "65536" and env["DISABLE_MMA_V3"] == "1"
+    assert gpu_check.mode_env(gpu_check.parse_args([])) == {}
+    assert gpu_check.mode_env(gpu_check.parse_args(["--max-shared-mem", "65536"])) == {"KC_MAX_SHARED_MEM": "65536"}
+
+
+def test_pre_hopper_mode_reaches_every_child_process(monkeypatch):
+    monkeypatch.setattr(gpu_check, "EXTRA_ENV", {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "8.0"})
+    env = gpu_check.child_env()
+    assert env["DISABLE_MMA_V3"] == "1" and env["KC_MAX_CAPABILITY"] == "8.0" and env["KC_WORLD"] == "gpu"
+
+
+def test_a_shared_memory_limit_below_any_supported_gpu_is_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--max-shared-mem", "1000"])
+    assert "at least 64 KB" in capsys.readouterr().err
+
+
+def test_the_course_sees_the_capability_and_shared_memory_it_is_told(monkeypatch):
+    """KC_MAX_CAPABILITY caps the capability the course's choices see (never raises it); KC_MAX_SHARED_MEM
+    caps what Triton reports, so its launch check and the pruners see a smaller GPU."""
+    import torch
+
+    import kernelcourse.world  # noqa: F401
+    W = sys.modules["kernelcourse.world"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("KC_MAX_CAPABILITY", "8.0")
+    assert W.device_capability() == (8, 0)
+    monkeypatch.setenv("KC_MAX_CAPABILITY", "10.0")
+    assert W.device_capability() == (9, 0)
+    monkeypatch.delenv("KC_MAX_CAPABILITY")
+    assert W.device_capability() == (9, 0)
+
+    class Utils:
+        @staticmethod
+        def get_device_properties(device):
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    import triton
+
+    utils = Utils()
+    monkeypatch.setattr(triton.runtime.driver, "_active", type("D", (), {"utils": utils})())
+    monkeypatch.setenv("KC_MAX_SHARED_MEM", "65536")
+    W._limit_shared_memory()
+    W._limit_shared_memory()  # twice: still one limit over the GPU's own figure
+    assert utils.get_device_properties(0) == {"max_shared_mem": 65536, "multiprocessor_count": 132}
+
+
+def test_a_gpu_older_than_the_t4_gets_one_sentence_and_the_cpu_world(monkeypatch):
+    import torch
+
+    import kernelcourse.world  # noqa: F401
+    W = sys.modules["kernelcourse.world"]
+    props = type("P", (), {"name": "Tesla P100-PCIE-16GB", "major": 6, "minor": 0})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    text = W._too_old_to_serve()
+    assert "compute capability 6.0" in text and "older than the course supports" in text and "\n" not in text
+    props.major, props.minor = 7, 5
+    assert W._too_old_to_serve() is None
+
+
+def test_releases_older_than_the_course_supports_are_named_with_what_to_do(monkeypatch):
+    import torch
+
+    import kernelcourse.world  # noqa: F401
+    W = sys.modules["kernelcourse.world"]
+    assert W._older_than_supported() is None  # what this checkout runs on
+    monkeypatch.setattr(torch, "__version__", "2.1.0+cu121")
+    text = W._older_than_supported()
+    assert text.startswith("torch 2.1.0+cu121 is older than the course supports") and "pip install" in text
+
+
+def test_the_oldest_releases_are_named_once_for_ci_and_once_for_the_setup_cell():
+    """make test-oldest installs what the Makefile's OLDEST_PINS says; kc.setup() warns below world.OLDEST."""
+    import re
+
+    import kernelcourse.world  # noqa: F401
+    W = sys.modules["kernelcourse.world"]
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    pins = dict(re.findall(r"\b(torch|triton)==(\d+\.\d+)\.\d+", makefile.split("OLDEST_PINS :=")[1].splitlines()[0]))
+    assert {k: tuple(map(int, v.split("."))) for k, v in pins.items()} == W.OLDEST

@@ -10,6 +10,14 @@ It runs, with the interpreter that runs it (no virtual environment is built or n
 The table says what ran, passed, failed and was skipped (and why), how long each part took, on which GPU
 and with which versions. The exit status is 0 only when everything passed. The package is imported
 from this checkout's src/, whatever is installed.
+
+    python3 tools/gpu_check.py --pre-hopper    # or: make gpu-check PREHOPPER=1
+
+checks, on a Hopper GPU, the paths that GPUs before Hopper take: Triton emits Ampere's mma.sync instead of
+wgmma (DISABLE_MMA_V3=1), the course treats the GPU as compute capability 8.0 (KC_MAX_CAPABILITY: the
+attention versions that load through pointers) and as having an L4's 99 KB of shared memory per block
+(KC_MAX_SHARED_MEM; --max-shared-mem 65536 for a T4's). A T4's scalar-FMA tl.dot needs a T4 itself; its
+lowering is checked on any machine by tests/test_targets.py.
 """
 from __future__ import annotations
 
@@ -39,6 +47,10 @@ PARTS = ("tests", "lessons", "solutions", "grades")
 # Test files that belong to one chapter (besides tests/test_grading_chNN.py), for --chapter.
 CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "06": ["test_attention.py"],
                  "07": ["test_attention_backward.py"]}
+# --pre-hopper: what GPUs before Hopper get, on a Hopper GPU (see the docstring)
+PRE_HOPPER = {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "8.0"}
+PRE_HOPPER_SHARED_MEM = 99 * 1024          # an L4's shared memory per block, the least of Colab's Ampere and Ada GPUs
+EXTRA_ENV: dict[str, str] = {}             # set by main() from the flags, passed to every child process
 
 
 @dataclass
@@ -70,6 +82,16 @@ def child_env() -> dict:
     env["KC_WORLD"] = "gpu"  # a GPU that vanished fails loudly instead of quietly testing the CPU path
     env.pop("TRITON_INTERPRET", None)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.update(EXTRA_ENV)
+    return env
+
+
+def mode_env(args) -> dict[str, str]:
+    """The environment the flags ask for: --pre-hopper, --max-shared-mem."""
+    env = dict(PRE_HOPPER) if args.pre_hopper else {}
+    smem = args.max_shared_mem or (PRE_HOPPER_SHARED_MEM if args.pre_hopper else None)
+    if smem:
+        env["KC_MAX_SHARED_MEM"] = str(smem)
     return env
 
 
@@ -167,7 +189,7 @@ def render(parts: list[Part], gpu: str, versions: dict, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cell-timeout", type=int, default=600, help="seconds allowed per notebook cell")
     ap.add_argument("--chapter", action="append", metavar="NN",
@@ -175,7 +197,21 @@ def main() -> int:
                          "to no chapter; runs over chapters that split the course together cover all of it")
     ap.add_argument("--only", action="append", choices=PARTS, metavar="PART",
                     help=f"run only this part (repeatable; one of {', '.join(PARTS)}); the others are listed as not run")
-    args = ap.parse_args()
+    ap.add_argument("--pre-hopper", action="store_true",
+                    help="on a Hopper GPU, check the paths of GPUs before Hopper: mma.sync instead of wgmma "
+                         "(DISABLE_MMA_V3=1), compute capability 8.0 for the course's choices, an L4's shared memory")
+    ap.add_argument("--max-shared-mem", type=int, metavar="BYTES",
+                    help="shared memory per block that Triton and the autotune pruners may use (65536: a T4's); "
+                         f"--pre-hopper's default is {PRE_HOPPER_SHARED_MEM}")
+    args = ap.parse_args(argv)
+    if args.max_shared_mem is not None and args.max_shared_mem < 16 * 1024:
+        ap.error(f"--max-shared-mem {args.max_shared_mem}: every GPU the course supports has at least 64 KB (65536)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    EXTRA_ENV.update(mode_env(args))
     if missing := missing_stack():
         print(f"The course's notebook stack is not installed for {sys.executable}: {', '.join(missing)} missing.\n"
               f"Install it with:  {sys.executable} -m pip install {' '.join(missing)}\n"
@@ -217,6 +253,8 @@ def main() -> int:
         print(f"  {part.passed}/{part.ran} {part.unit}s as expected, {part.failed} not, {part.skipped} skipped, "
               f"{part.seconds:.0f} s{' (' + part.error + ')' if part.error else ''}", flush=True)
     scope = f"chapters {', '.join(sorted(args.chapter))} and the tests of no chapter" if args.chapter else "the whole course"
+    if EXTRA_ENV:
+        scope += ", as " + " ".join(f"{k}={v}" for k, v in EXTRA_ENV.items())
     if args.only:
         scope += f", parts: {', '.join(args.only)}"
     print("\n" + render(parts, f"{gpu}, {scope}", versions, time.time() - start))

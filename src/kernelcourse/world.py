@@ -189,13 +189,15 @@ def setup(world: str | None = None, quiet: bool = False) -> World:
     has_gpu = torch.cuda.is_available()
     if choice == "gpu" and not has_gpu:
         raise RuntimeError("a GPU world was asked for, but torch sees no CUDA GPU")
-    gpu = has_gpu if choice == "auto" else choice == "gpu"
+    too_old = has_gpu and choice == "auto" and _too_old_to_serve()
+    gpu = (has_gpu and not too_old) if choice == "auto" else choice == "gpu"
     if gpu:
         _leave_simulation()
         if numba_cuda_needs_row_stack():
             _import_numba_cuda_with_row_stack()
         props = torch.cuda.get_device_properties(0)
-        w = World(True, "cuda", props.name, (props.major, props.minor), versions())
+        w = World(True, "cuda", props.name, device_capability(0), versions())
+        _limit_shared_memory()
     else:
         _enter_simulation()
         w = World(False, "cpu", "CPU", None, versions())
@@ -206,6 +208,8 @@ def setup(world: str | None = None, quiet: bool = False) -> World:
     # GPU's primary context current on that thread, and PyTorch says so once. Nothing is wrong.
     warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     if not quiet:
+        if too_old:
+            print(too_old)
         print(banner(w))
         if problem := _known_problem(w):
             print(f"Warning: {problem}")
@@ -229,7 +233,7 @@ def _known_problem(w: World) -> str | None:
         return (f"numpy {numpy.__version__} breaks the interpreter of Triton {triton}, which runs Triton kernels "
                 "on the CPU (chapters 04-06). Run  %pip install \"numpy>=2,<2.4\"  in a cell, restart the kernel "
                 "(on Colab: Runtime > Restart session), then run the notebook again from the top.")
-    return None
+    return _older_than_supported()
 
 
 _said_fp16 = False
@@ -271,9 +275,101 @@ def banner(w: World) -> str:
         where = (f"GPU: {w.name} · compute capability {w.capability[0]}.{w.capability[1]} · "
                  f"{props.multi_processor_count} SMs · {props.total_memory / 2**30:.0f} GiB")
         note = "Kernels compile and run on this GPU; timings are measured now."
+        if _env_capability():
+            where += f" (run as compute capability {w.capability[0]}.{w.capability[1]}: KC_MAX_CAPABILITY)"
     else:
         where = "CPU (no CUDA GPU): Triton runs in its interpreter, CUDA kernels in numba's simulator"
         note = "Kernels run for correctness only; timing cells show results recorded on a GPU."
     versions_line = " · ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "triton", "numba", "numba-cuda",
                                                          "cuda"))
     return f"{where}\n{versions_line}\n{note}\nRun on {stamp}"
+
+
+# ---- GPUs the course does not serve, and running as an older GPU (tools/gpu_check.py --pre-hopper) -----
+
+OLDEST_CAPABILITY = (7, 5)  # the T4: Triton compiles for compute capability 7.5 and newer
+
+
+def _too_old_to_serve() -> str | None:
+    """One sentence for a GPU older than the course supports, or None. Triton does not compile for it, so
+    the notebooks run in the CPU world there, as on a machine without a GPU."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) >= OLDEST_CAPABILITY:
+        return None
+    return (f"This GPU, {props.name} (compute capability {props.major}.{props.minor}), is older than the course "
+            "supports (7.5, the T4, and newer: Triton compiles for nothing older), so the notebooks run as on a "
+            "machine without a GPU: Triton kernels in its interpreter, CUDA kernels in numba's simulator, timings "
+            "recorded on a GPU. On Colab, pick a T4 or newer GPU under Runtime > Change runtime type.")
+
+
+def _env_capability() -> tuple[int, int] | None:
+    """``KC_MAX_CAPABILITY`` (e.g. "8.0"): the course treats the GPU as one of at most this compute capability."""
+    text = os.environ.get("KC_MAX_CAPABILITY", "").strip()
+    if not text:
+        return None
+    match = re.fullmatch(r"(\d+)\.(\d)", text)
+    if not match:
+        raise ValueError(f"KC_MAX_CAPABILITY={text!r}: write a compute capability such as 8.0")
+    return int(match.group(1)), int(match.group(2))
+
+
+def device_capability(device=None) -> tuple[int, int]:
+    """The GPU's compute capability as the course's choices should see it: torch's, or less where
+    ``KC_MAX_CAPABILITY`` says so. ``tools/gpu_check.py --pre-hopper`` sets 8.0 (with Triton's
+    ``DISABLE_MMA_V3=1``), so that an H100 takes the paths an A100 or an L4 takes: the attention versions
+    that load through pointers, Ampere's mma.sync, float16 or bfloat16 as there."""
+    import torch
+
+    real = tuple(torch.cuda.get_device_capability(device))
+    limit = _env_capability()
+    return min(real, limit) if limit else real
+
+
+def shared_memory_limit() -> int | None:
+    """``KC_MAX_SHARED_MEM``: bytes of shared memory per block the course's GPU world allows (None: the GPU's)."""
+    text = os.environ.get("KC_MAX_SHARED_MEM", "").strip()
+    return int(text) if text else None
+
+
+def _limit_shared_memory() -> None:
+    """Under ``KC_MAX_SHARED_MEM``, Triton reports at most that much shared memory per block, so that its own
+    launch check (OutOfResources) and every autotune pruner that reads it treat a kernel as on a smaller GPU."""
+    limit = shared_memory_limit()
+    if limit is None:
+        return
+    import triton
+
+    utils = triton.runtime.driver.active.utils
+    real = getattr(utils.get_device_properties, "__wrapped__", utils.get_device_properties)
+
+    def get_device_properties(device):
+        props = dict(real(device))
+        props["max_shared_mem"] = min(props["max_shared_mem"], limit)
+        return props
+
+    get_device_properties.__wrapped__ = real
+    utils.get_device_properties = get_device_properties
+
+
+# ---- the oldest releases the course runs on -----------------------------------------------------------
+# The oldest torch and triton the course is checked on (the `test-oldest` CI job, `make test-oldest`).
+# Colab's GPU image ships newer ones; a local install or an old Colab image may not.
+OLDEST = {"torch": (2, 8), "triton": (3, 4)}
+
+
+def _older_than_supported() -> str | None:
+    """What to run when torch or triton is older than the course supports (None when both are recent)."""
+    import torch
+
+    found = {"torch": torch.__version__, "triton": _version("triton")}
+    old = [f"{name} {v}" for name, v in found.items()
+           if v != "not installed" and _release(v)[:2] < OLDEST[name]]
+    if not old:
+        return None
+    floor = " and ".join(f"{name} {'.'.join(map(str, OLDEST[name]))}" for name in OLDEST)
+    return (f"{' and '.join(old)} is older than the course supports ({floor} or newer): some kernels will not "
+            "compile or will fail. On Colab, pick the latest runtime version (Runtime > Change runtime type), whose "
+            "PyTorch and Triton are recent; on your own machine, run  pip install --upgrade torch triton  (or "
+            "`make install`, which installs what requirements.txt pins), then restart the kernel.")

@@ -224,6 +224,7 @@ def grade_epilogue(report: Report, linear_leaky_relu_kernel):
 
 SPEED_MNK = 4096                # fp16, square: compute-bound on any GPU with tensor cores
 SPEED_VS_CUBLAS = 0.5           # of torch.matmul (cuBLAS) timed in the same run
+SPEED_VS_SGEMM = 0.5            # where tl.dot runs on CUDA cores (a T4): of cuBLAS's fp32 SGEMM, CUDA cores too
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
@@ -265,8 +266,8 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
         M, K = a.shape
         N = b.shape[1]
         grid = (-(-M // bm), -(-N // bn))
-        matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                            c.stride(0), c.stride(1), **meta)
+        return matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                   c.stride(0), c.stride(1), **meta)
 
     # the config must give right answers, tails included, before its speed counts
     for M, N, K in sizes([(bm + 3, bn - 5, 2 * bk + 7)], [(1000, 1003, 517)]):
@@ -301,9 +302,26 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
     a = torch.randn(n, n, device="cuda", dtype=torch.float16)
     b = torch.randn(n, n, device="cuda", dtype=torch.float16)
     c = torch.empty_like(a)
-    run(a, b, c)
+    compiled = run(a, b, c)
     torch.cuda.synchronize()
     if not torch.allclose(c.float(), (a.float() @ b.float()), rtol=2e-2, atol=0.5):
         return report.fail(f"{what}: the result is wrong at this size, so its speed is not graded")
-    speed_vs_peer(report, what, lambda: run(a, b, c), lambda: torch.matmul(a, b, out=c), "cuBLAS (torch.matmul)",
-                  SPEED_VS_CUBLAS)
+    from ..targets import speed_peer
+
+    a32, b32 = a.float(), b.float()
+    c32 = torch.empty_like(a32)
+
+    def sgemm():  # float32 on CUDA cores: TF32 (tensor cores) off
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            torch.matmul(a32, b32, out=c32)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+    # the peer runs on the unit the compiler gave the learner's tl.dot on this GPU (kernelcourse.targets)
+    peer_name, peer, at_least, why = speed_peer(
+        compiled, tensor_cores=("cuBLAS (torch.matmul)", lambda: torch.matmul(a, b, out=c), SPEED_VS_CUBLAS),
+        cuda_cores=("cuBLAS's fp32 SGEMM (torch.matmul on float32 copies, TF32 off)", sgemm, SPEED_VS_SGEMM))
+    speed_vs_peer(report, what + (f" ({why})" if why and peer is sgemm else ""), lambda: run(a, b, c), peer,
+                  peer_name, at_least)

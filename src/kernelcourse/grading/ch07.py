@@ -283,8 +283,8 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
 def _dkdv_launch(kernel, heads, n_q, n_k, d, bm, bn, tensors, scale, **meta):
     tq, tk, tv, tdo, tlse, tdelta, tdk, tdv = tensors
     grid = (-(-n_k // bn), heads)
-    kernel[grid](tq, tk, tv, tdo, tlse, tdelta, tdk, tdv, scale, tq.stride(0), tk.stride(0), tlse.stride(0),
-                 n_q, n_k, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, **meta)
+    return kernel[grid](tq, tk, tv, tdo, tlse, tdelta, tdk, tdv, scale, tq.stride(0), tk.stride(0), tlse.stride(0),
+                        n_q, n_k, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, **meta)
 
 
 @exercise("07.5", "the dK/dV kernel's inner loop in Triton", names=("attention_dkdv_kernel",), time_limit_s=240)
@@ -387,11 +387,27 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         qs, ks, vs = (t.view(4, 16, n, d).clone().requires_grad_() for t in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs)
         dos = do.view(4, 16, n, d)
-        speed_vs_peer(report, f"your dK/dV kernel at (B·H, N, d) = ({heads}, {n}, {d}), fp16",
-                      lambda: _dkdv_launch(attention_dkdv_kernel, heads, n, n, d, 32, 64, tensors, 1 / math.sqrt(d),
-                                           num_warps=4, num_stages=2),
-                      lambda: torch.autograd.grad(out, (qs, ks, vs), dos, retain_graph=True),
-                      "SDPA's whole backward", at_least=0.6)
+        learner = lambda: _dkdv_launch(attention_dkdv_kernel, heads, n, n, d, 32, 64, tensors,  # noqa: E731
+                                       1 / math.sqrt(d), num_warps=4, num_stages=2)
+        # SDPA's backward runs on tensor cores on every GPU; Triton's tl.dot only from compute capability 8.0
+        # on. Where it runs on CUDA cores (a T4), the peer is the course's dK/dV kernel with the same tiles,
+        # compiled here as the learner's is (kernelcourse.targets).
+        from ..attention_backward import attention_bwd_dkdv_kernel
+        from ..targets import speed_peer
+
+        dk_c, dv_c = torch.empty_like(k), torch.empty_like(v)
+        q4, k4, v4, do4 = (t.view(1, heads, n, d) for t in (q, k, v, do))
+        strides = [s for t in (q4, k4, do4) for s in t.stride()[:3]]
+        course = lambda: attention_bwd_dkdv_kernel[(n // 64, heads)](  # noqa: E731
+            q4, k4, v4, do4, lse, delta, dk_c, dv_c, 1 / math.sqrt(d), heads, n, n, *strides, HEAD_DIM=d, CAUSAL=False,
+            BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
+        peer_name, peer, at_least, why = speed_peer(
+            learner(), tensor_cores=("SDPA's whole backward",
+                                     lambda: torch.autograd.grad(out, (qs, ks, vs), dos, retain_graph=True), 0.6),
+            cuda_cores=("the course's dK/dV kernel with the same tiles", course, 0.6))
+        what = f"your dK/dV kernel at (B·H, N, d) = ({heads}, {n}, {d}), fp16"
+        speed_vs_peer(report, what + (f" ({why})" if why and peer is course else ""), learner, peer, peer_name,
+                      at_least=at_least)
     elif not gpu:
         report.not_graded("speed of your dK/dV kernel against SDPA's backward: speed needs a GPU (not graded here)")
 
