@@ -81,6 +81,13 @@ def _describe(x) -> str:
     return repr(x)
 
 
+def _quiet_import():
+    # transformers imports tqdm.auto, which warns in a notebook without ipywidgets; the course shows no progress bars
+    import warnings
+
+    warnings.filterwarnings("ignore", message="IProgress not found")
+
+
 def register(name: str = NAME) -> str:
     """Register the course's attention with transformers under ``name``; returns the name.
 
@@ -88,6 +95,7 @@ def register(name: str = NAME) -> str:
     ``AttentionMaskInterface`` (so that a padded batch reaches the attention as a mask, and is refused).
     Calling it again does nothing new.
     """
+    _quiet_import()
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
