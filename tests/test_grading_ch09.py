@@ -300,14 +300,42 @@ def make_train_step(model, lr):
     return step
 
 
-def test_09_4_solution_passes_and_speed_is_not_graded_on_the_cpu():
-    passed, text = grade("09.4", make_train_step=make_train_step)
-    assert passed, text
-    if not kc.world().gpu:
+GPU = kc.world().gpu
+needs_gpu = pytest.mark.skipif(not GPU, reason="speed is graded on a GPU only")
+cpu_only = pytest.mark.skipif(GPU, reason="on a GPU the speed check is graded, and an eager step fails it")
+
+
+def fast_train_step(model, lr):
+    """The solution: fused AdamW, the model compiled to CUDA graphs on a GPU."""
+    gpu = next(model.parameters()).is_cuda
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=gpu)
+    forward = torch.compile(model, mode="reduce-overhead") if gpu else model
+
+    def step(x, y):
+        F.mse_loss(forward(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+@cpu_only
+def test_09_4_eager_step_passes_and_speed_is_not_graded_on_the_cpu():
+    for fn in (make_train_step, fast_train_step):
+        passed, text = grade("09.4", make_train_step=fn)
+        assert passed, text
         speed = [line for line in text.splitlines() if "speed needs a GPU" in line]
         assert len(speed) == 1 and speed[0].startswith(grading.NOT_GRADED), text
 
 
+@needs_gpu
+def test_09_4_solution_passes_on_speed_and_an_eager_step_fails():
+    passed, text = grade("09.4", make_train_step=fast_train_step)
+    assert passed, text
+    passed, text = grade("09.4", make_train_step=make_train_step)
+    assert not passed and "needs at least 1.5x" in text, text
+
+
+@cpu_only
 def test_09_4_alternative_correct_version_passes():
     """A step written as one closure over its own loss function, AdamW without foreach, gradients set to zero."""
     def alt(model, lr):
