@@ -278,3 +278,36 @@ def trace_stats(events: list[dict]) -> dict:
     return {"kernels": len(iv), "launches": sum(by_api.values()), "launches_by_api": by_api,
             "span_us": span, "busy_us": busy, "idle_us": span - busy, "idle_share": (span - busy) / span if span else 0.0,
             "steps": steps, "step_ms": span / steps / 1e3 if steps else float("nan")}
+
+def cpu_time_per_call(fn, *, calls: int = 200, warmup: int = 5) -> float:
+    """Microseconds of the CPU's time per call of ``fn`` (introduced in chapter 09): ``calls`` calls issued
+    back to back, with no wait for the GPU between them (the GPU runs them behind, asynchronously), after
+    ``warmup`` calls to compile, tune and warm the caches. When this exceeds the GPU's time per call
+    (``gpu_time``), a stream of such calls keeps the GPU waiting: they are launch-bound."""
+    import time
+
+    import torch
+
+    gpu = world().gpu
+    for _ in range(warmup):
+        fn()
+    if gpu:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - start) / calls * 1e6
+    if gpu:
+        torch.cuda.synchronize()
+    return us
+
+
+def measured_recorded_or_none(name: str, measure) -> Results | None:
+    """``measured_or_recorded``, or None on a machine without a GPU when no GPU run has recorded ``name`` yet
+    (introduced in chapter 09); then it says so in one line, and the notebook shows nothing in its place."""
+    try:
+        return measured_or_recorded(name, measure)
+    except FileNotFoundError:
+        print(f"No GPU here, and no GPU run has recorded these results ({name}) yet: nothing to show. "
+              f"On a GPU this cell measures them.")
+        return None
