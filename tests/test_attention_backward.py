@@ -183,21 +183,24 @@ triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warp
 """
 
 
-@pytest.mark.parametrize("kernel, d, block_m, block_n, warps, stages, causal, even_m", [
-    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, True, False), ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, True, False),
-    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, False, False), ("attention_bwd_dkdv_kernel", 64, 64, 64, 4, 2, True, False),
-    ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, True, True), ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, False, True),
-    ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, False, True),
-    ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, True, None), ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, False, None)])
+@pytest.mark.parametrize("kernel, d, block_m, block_n, warps, stages, causal, even_m, kv_group", [
+    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, True, False, 1), ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, True, False, 1),
+    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, False, False, 1), ("attention_bwd_dkdv_kernel", 64, 64, 64, 4, 2, True, False, 1),
+    ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, True, True, 1), ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, False, True, 1),
+    ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, False, True, 1),
+    ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, True, None, 1), ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, False, None, 1),
+    # grouped-query attention: the dK/dV kernel loops over the 4 query heads of each key head
+    ("attention_bwd_dkdv_kernel", 64, 64, 64, 4, 2, True, False, 4), ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, False, True, 4),
+    ("attention_bwd_dq_kernel", 64, 64, 64, 4, 3, True, None, 4)])
 def test_backward_kernels_compiled_for_hopper_keep_their_matmuls_asynchronous(tmp_path, kernel, d, block_m, block_n,
-                                                                              warps, stages, causal, even_m):
+                                                                              warps, stages, causal, even_m, kv_group):
     """Hopper's matmuls (wgmma) run asynchronously: the next is issued before the last has finished. When
     ptxas cannot prove that safe it waits after each one and warns (C7515, C7512), and the kernel loses
     a tenth of its speed or more. The dK/dV kernel's loop order keeps that from happening with a causal
     mask, and EVEN_M (no loop for a partial query tile where there is none) without one."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))
-    consts = {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
+    consts = {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal, "KV_GROUP": kv_group}
     if even_m is not None:
         consts["EVEN_M"] = even_m
     run = subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT, json.dumps(consts), json.dumps([warps, stages]), kernel],

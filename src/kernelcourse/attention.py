@@ -249,7 +249,7 @@ def _key_range(q0, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def flash_attention_v1_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr):
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     # program (query tile, batch·head) of contiguous (B·H, N, d) tensors; k and v have H / KV_GROUP heads
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1).to(tl.int64)
@@ -359,7 +359,7 @@ def _attend_tiles_v2(acc, l_i, m_i, q, k_ptr, v_ptr, qk_scale, offs_m, offs_n, o
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def flash_attention_v2_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr):
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_hz = off_hz.to(tl.int64)                      # contiguous (B·H, N, d): large offsets need 64 bits
     q_ptr += off_hz * N_Q * HEAD_DIM
@@ -420,7 +420,7 @@ def _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, o
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
 def flash_attention_v3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr):
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
@@ -476,7 +476,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
 def flash_attention_v4_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr):
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H

@@ -217,7 +217,7 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_dob, stride_doh, stride_don,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr, EVEN_M: tl.constexpr):
+                              CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     # program (key tile, batch·key head): it owns BLOCK_N rows of dK and dV and writes each once.
     # Causal: key tile 0 has the most work; heads four at a time start it first (see tile_and_head)
     start_n, off_hz = tile_and_head(CAUSAL_HEAD_GROUP if CAUSAL else 1)
@@ -300,7 +300,7 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
                             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                             stride_dob, stride_doh, stride_don,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr):
+                            CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     # program (query tile, batch·head), as in the forward; causal tiles near the end have the most keys
     start_m, off_hz = tile_and_head(CAUSAL_HEAD_GROUP if CAUSAL else 1)
     start_m = longest_first(start_m, CAUSAL=CAUSAL)
