@@ -45,7 +45,8 @@ def truth(q, k, v, do, causal=False, sm_scale=None):
 
 def tolerance(dtype, ref):
     scale = ref.abs().max().item()
-    return (1e-4 if dtype == torch.float32 else 2e-2 if dtype == torch.bfloat16 else 4e-3) * max(scale, 1.0)
+    # float32: exact products in the interpreter; float16 and bfloat16: a few of their rounding steps
+    return (1e-4 if dtype == torch.float32 else 5e-2 if dtype == torch.bfloat16 else 5e-3) * max(scale, 1.0)
 
 
 def check(q, k, v, do, causal=False, sm_scale=None, fn=None):
@@ -138,9 +139,10 @@ def test_compiles_with_fullgraph_and_matches_eager():
     compiled = [t.clone().requires_grad_() for t in (q, k, v)]
     value = torch.compile(loss, fullgraph=True)(*compiled, w)   # fullgraph: a graph break is an error
     value.backward()
-    torch.testing.assert_close(value, loss(*eager, w), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if DTYPE == torch.float32 else 1e-2   # the compiled sum may round differently in float16
+    torch.testing.assert_close(value, loss(*eager, w), rtol=tol, atol=tol)
     for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.grad, b.grad, rtol=tol, atol=tol)
     explained = torch._dynamo.explain(loss)(*compiled, w)
     assert explained.graph_break_count == 0, explained.break_reasons
 

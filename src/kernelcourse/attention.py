@@ -742,7 +742,7 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
 # only on the shapes is worked out the first time a shape key is seen (that launch goes through the
 # autotuner) and kept: the version, the grid, the config. A test checks the two launchers agree.
 
-_plans: dict[tuple, tuple] = {}   # shape key -> (version, kernel, grid, keyword arguments of the launch)
+_plans: dict[tuple, tuple] = {}   # shape key -> (version, kernel, grid, keyword arguments, the tuned config)
 
 
 def _new_output(q: torch.Tensor, version: int) -> torch.Tensor:
@@ -785,6 +785,8 @@ def _forward(q, k, v, causal: bool, scale: float):
         args = (q, k, v, o, lse, scale if version == 1 else scale * LOG2E.value, n_q, n_k)
     if plan is not None:
         plan[1].run(*args, grid=plan[2], warmup=False, **plan[3])
+        if plan[4] is not None:
+            _chosen[f"v{version}"] = plan[4]      # what tuned_config() reports
         return o, lse
     consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
     if world().gpu:
@@ -796,9 +798,8 @@ def _forward(q, k, v, causal: bool, scale: float):
             _set_block_shapes({"q_desc": args[0], "k_desc": args[1], "v_desc": args[2], "o_desc": args[3],
                                **cfg, "HEAD_DIM": d})
         _KERNELS[version][(triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)](*args, **consts, **cfg)
-    _plans[key] = (version, _KERNELS[version], (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H), {**consts, **cfg})
-    if world().gpu:
-        _chosen[f"v{version}"] = c
+    _plans[key] = (version, _KERNELS[version], (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H), {**consts, **cfg},
+                   c if world().gpu else None)
     return o, lse
 
 

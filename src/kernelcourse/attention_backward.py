@@ -522,11 +522,13 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     so, sq, sk, sdo = o.stride(), q.stride(), k.stride(), do.stride()
     strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sdo[0], sdo[1], sdo[2])
     if plan is not None:
-        pre_grid, pre_kw, dkdv_grid, dkdv_kw, dq_grid, dq_kw = plan
+        pre_grid, pre_kw, dkdv_grid, dkdv_kw, dq_grid, dq_kw, tuned = plan
         _PRE.run(o, do, delta, H, n_q, so[0], so[1], so[2], grid=pre_grid, warmup=False, **pre_kw)
         _DKDV.run(q, k, v, do, lse, delta, dk, dv, scale, H, n_q, n_k, *strides, grid=dkdv_grid, warmup=False,
                   **dkdv_kw)
         _DQ.run(q, k, v, do, lse, delta, dq, scale, H, n_q, n_k, *strides, grid=dq_grid, warmup=False, **dq_kw)
+        if tuned:
+            _chosen.update(tuned)                # what tuned_configs() reports
         return dq, dk, dv
     # the first call of this shape: through the autotuners on a GPU, and the launches kept
     block = _preprocess_block(d)
@@ -535,18 +537,18 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
     args = (q, k, v, do, lse, delta)
     if world().gpu:
-        c = _launch_tuned("dkdv", lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv),
-                          *args, dk, dv, scale, H, n_q, n_k, *strides, **consts)
-        dkdv_cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
-        c = _launch_tuned("dq", lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
-                          *args, dq, scale, H, n_q, n_k, *strides, **consts)
-        dq_cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+        tuned = {"dkdv": _launch_tuned("dkdv", lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv),
+                                       *args, dk, dv, scale, H, n_q, n_k, *strides, **consts),
+                 "dq": _launch_tuned("dq", lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
+                                     *args, dq, scale, H, n_q, n_k, *strides, **consts)}
+        dkdv_cfg, dq_cfg = ({**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in tuned.values())
     else:
+        tuned = None
         dkdv_cfg = dq_cfg = INTERPRETER_CONFIG
     dkdv_kw = {**consts, **dkdv_cfg, "EVEN_M": n_q % dkdv_cfg["BLOCK_M"] == 0}
     dq_kw = {**consts, **dq_cfg}
     plan = (pre_grid, pre_kw, (triton.cdiv(n_k, dkdv_cfg["BLOCK_N"]), B * h_kv), dkdv_kw,
-            (triton.cdiv(n_q, dq_cfg["BLOCK_M"]), B * H), dq_kw)
+            (triton.cdiv(n_q, dq_cfg["BLOCK_M"]), B * H), dq_kw, tuned)
     if not world().gpu:
         _DKDV.run(*args, dk, dv, scale, H, n_q, n_k, *strides, grid=plan[2], warmup=False, **dkdv_kw)
         _DQ.run(*args, dq, scale, H, n_q, n_k, *strides, grid=plan[4], warmup=False, **dq_kw)
