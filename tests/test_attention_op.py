@@ -202,3 +202,18 @@ def test_bfloat16_in_the_interpreter_is_refused():
     q, k, v, _ = make(1, 1, 1, 8, 8, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16 does not run in Triton's interpreter"):
         AB.attention(q, k, v)
+
+
+def test_chapter_06_module_imports_nothing_from_chapter_07():
+    """The modules are layered: kernelcourse.attention (the forward) below kernelcourse.attention_backward
+    (the backward and the public ``attention``), which imports it; never the other way round."""
+    import subprocess
+    import sys
+
+    from tests.helpers import env_importing
+
+    code = ("import sys, kernelcourse as kc; kc.setup(quiet=True); import kernelcourse.attention; "
+            "assert 'kernelcourse.attention_backward' not in sys.modules, 'attention imported attention_backward'")
+    src = __import__("pathlib").Path(kc.__file__).parents[1]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_importing(src), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
