@@ -81,8 +81,8 @@ def test_grouped_query_attention_through_the_lesson_launchers():
     for version in sorted(A.VERSIONS):
         torch.testing.assert_close(A.flash_attention(q, k, v, causal=True, version=version)[0].double(), o64,
                                    atol=tolerance(q.dtype, o64), rtol=0)
-    got = AB.flash_attention_backward(q, k, v, o, lse, do, causal=True,
-                                      dkdv_config={"BLOCK_M": 16, "BLOCK_N": 16}, dq_config={"BLOCK_M": 16, "BLOCK_N": 16})
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 16}
+    got = AB.flash_attention_backward(q, k, v, o, lse, do, causal=True, dkdv_config=tiles, dq_config=tiles)
     for g, g64 in zip(got, grads64):
         assert (g.double() - g64).abs().max().item() <= tolerance(q.dtype, g64)
 
@@ -215,5 +215,6 @@ def test_chapter_06_module_imports_nothing_from_chapter_07():
     code = ("import sys, kernelcourse as kc; kc.setup(quiet=True); import kernelcourse.attention; "
             "assert 'kernelcourse.attention_backward' not in sys.modules, 'attention imported attention_backward'")
     src = __import__("pathlib").Path(kc.__file__).parents[1]
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_importing(src), timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_importing(src),
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -424,6 +424,7 @@ def flash_attention_v3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale,
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
+    off_hk = off_h // KV_GROUP                    # the key head it reads: KV_GROUP query heads share one
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)
     q = _load_tile(q_desc, off_z, off_h, start_m * BLOCK_M, BLOCK_M, HEAD_DIM)  # rows past N_Q read 0
@@ -433,9 +434,9 @@ def flash_attention_v3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                  # running p @ v
 
     n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
-    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h // KV_GROUP, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                      0, n_full, N_K, BLOCK_N, HEAD_DIM, MASKED=False, CAUSAL=CAUSAL)
-    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h // KV_GROUP, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                      n_full, n_end, N_K, BLOCK_N, HEAD_DIM, MASKED=True, CAUSAL=CAUSAL)
 
     tl.store(lse_ptr + off_hz * N_Q + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < N_Q)
@@ -480,6 +481,7 @@ def flash_attention_v4_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale,
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
+    off_hk = off_h // KV_GROUP                    # the key head it reads: KV_GROUP query heads share one
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)
     q = _load_tile(q_desc, off_z, off_h, start_m * BLOCK_M, BLOCK_M, HEAD_DIM)  # rows past N_Q read 0
@@ -490,10 +492,9 @@ def flash_attention_v4_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale,
 
     # Keys [0, n_full) need no mask; [n_full, n_end) do; [n_end, N_K) are never loaded.
     n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
-    # k_desc and v_desc have H / KV_GROUP heads: query head h reads key head h // KV_GROUP
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h // KV_GROUP, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                   0, n_full, N_K, BLOCK_N, HEAD_DIM, MASKED=False, CAUSAL=CAUSAL)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h // KV_GROUP, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                   n_full, n_end, N_K, BLOCK_N, HEAD_DIM, MASKED=True, CAUSAL=CAUSAL)
 
     # epilogue: normalise once, and keep log Σ exp(s) = (m2 + log2 Σ exp2(s2 - m2)) · ln 2 for the backward pass
