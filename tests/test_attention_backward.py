@@ -112,7 +112,7 @@ def test_attention_gradients_against_float64(B, H, n_q, n_k, d, causal, ls, dtyp
     q, k, v, do = qkv_do(B, H, n_q, n_k, d, dtype=dtype, logit_scale=ls, seed=n_q + n_k)
     truth = autograd64(q, k, v, do, causal=causal)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    o = A.attention(*leaves, causal=causal)
+    o = AB.attention(*leaves, causal=causal)
     o.backward(do)
     got = [t.grad for t in leaves]
     assert all(g.dtype == dtype for g in got)
@@ -183,21 +183,24 @@ triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warp
 """
 
 
-@pytest.mark.parametrize("kernel, d, block_m, block_n, warps, stages, causal, even_m", [
-    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, True, False), ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, True, False),
-    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, False, False), ("attention_bwd_dkdv_kernel", 64, 64, 64, 4, 2, True, False),
-    ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, True, True), ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, False, True),
-    ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, False, True),
-    ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, True, None), ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, False, None)])
+@pytest.mark.parametrize("kernel, d, block_m, block_n, warps, stages, causal, even_m, kv_group", [
+    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, True, False, 1), ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, True, False, 1),
+    ("attention_bwd_dkdv_kernel", 128, 64, 64, 4, 2, False, False, 1), ("attention_bwd_dkdv_kernel", 64, 64, 64, 4, 2, True, False, 1),
+    ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, True, True, 1), ("attention_bwd_dkdv_kernel", 64, 32, 64, 4, 3, False, True, 1),
+    ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, False, True, 1),
+    ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, True, None, 1), ("attention_bwd_dq_kernel", 128, 128, 64, 8, 3, False, None, 1),
+    # grouped-query attention: the dK/dV kernel loops over the 4 query heads of each key head
+    ("attention_bwd_dkdv_kernel", 64, 64, 64, 4, 2, True, False, 4), ("attention_bwd_dkdv_kernel", 128, 64, 128, 8, 3, False, True, 4),
+    ("attention_bwd_dq_kernel", 64, 64, 64, 4, 3, True, None, 4)])
 def test_backward_kernels_compiled_for_hopper_keep_their_matmuls_asynchronous(tmp_path, kernel, d, block_m, block_n,
-                                                                              warps, stages, causal, even_m):
+                                                                              warps, stages, causal, even_m, kv_group):
     """Hopper's matmuls (wgmma) run asynchronously: the next is issued before the last has finished. When
     ptxas cannot prove that safe it waits after each one and warns (C7515, C7512), and the kernel loses
     a tenth of its speed or more. The dK/dV kernel's loop order keeps that from happening with a causal
     mask, and EVEN_M (no loop for a partial query tile where there is none) without one."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))
-    consts = {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
+    consts = {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal, "KV_GROUP": kv_group}
     if even_m is not None:
         consts["EVEN_M"] = even_m
     run = subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT, json.dumps(consts), json.dumps([warps, stages]), kernel],
@@ -233,7 +236,7 @@ def test_pruned_backward_candidates_fit_a_t4(monkeypatch, d, resident, configs):
         kept = AB._pruner(resident)(configs, {"N_Q": n, "N_K": n, "HEAD_DIM": d})
         assert kept, f"no {resident} candidate for d = {d}"
         for c in kept:
-            assert AB._smem_bytes(c, d, resident) <= T4["max_shared_mem"], f"{AB._key(c)} does not fit a T4"
+            assert AB._smem_bytes(c, d, resident, resident_tiles=2) <= T4["max_shared_mem"], f"{AB._key(c)} does not fit a T4"
 
 
 @pytest.mark.parametrize("resident, configs", [("kv", AB.DKDV_CONFIGS), ("q", AB.DQ_CONFIGS)], ids=["dkdv", "dq"])
@@ -248,7 +251,7 @@ def test_sm_scale_and_noncontiguous_inputs():
     q, k, v, do = qkv_do(1, 2, 30, 30, 16, seed=5)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)          # same values, (B, N, H, d) memory
     leaves = [t.clone().requires_grad_() for t in (qt, k, v)]
-    A.attention(*leaves, causal=False, sm_scale=0.5).backward(do)
+    AB.attention(*leaves, causal=False, sm_scale=0.5).backward(do)
     truth = autograd64(q, k, v, do, sm_scale=0.5)
     assert_close_to([t.grad for t in leaves], truth, [F32_TOL * t.abs().max().item() for t in truth], "sm_scale")
 
@@ -261,7 +264,7 @@ def test_heads_of_a_fused_projection_are_read_in_place():
     g = torch.Generator().manual_seed(11)
     qkv = torch.randn(B, N, 3, H, d, generator=g).to(kc.world().device).requires_grad_()
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    o = A.attention(q, k, v, causal=True)
+    o = AB.attention(q, k, v, causal=True)
     assert o.transpose(1, 2).is_contiguous(), "o is not laid out as (B, N, H, d)"
     do = torch.randn(B, N, H * d, generator=g).to(qkv.device).view(B, N, H, d).transpose(1, 2)
     assert AB._rows_readable(q) == (q,) and AB._rows_readable(k, v) == (k, v)
@@ -279,7 +282,7 @@ def test_inputs_of_different_layouts_are_copied_and_still_right():
     kk, vv = AB._rows_readable(k, vt)
     assert kk.is_contiguous() and vv.is_contiguous()
     leaves = [t.clone().requires_grad_() for t in (q, k, vt)]
-    A.attention(*leaves, causal=False).backward(dot)
+    AB.attention(*leaves, causal=False).backward(dot)
     truth = autograd64(q, k, v, do)
     assert_close_to([t.grad for t in leaves], truth, [F32_TOL * t.abs().max().item() for t in truth], "layouts")
 
@@ -287,7 +290,7 @@ def test_inputs_of_different_layouts_are_copied_and_still_right():
 def test_saves_no_n_by_n_tensor():
     q, k, v, do = qkv_do(1, 1, 48, 40, 16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    o = A.attention(*leaves, causal=True)
+    o = AB.attention(*leaves, causal=True)
     saved = o.grad_fn.saved_tensors
     assert len(saved) == 5
     assert all(t.numel() <= 48 * 16 + 40 * 16 for t in saved), [tuple(t.shape) for t in saved]
@@ -302,7 +305,7 @@ def test_saves_no_n_by_n_tensor():
     (lambda q, k, v: (q.long(), k.long(), v.long()), "dtype torch.int64"),
     (lambda q, k, v: (q.double(), k.double(), v.double()), "float16, bfloat16 or float32"),
     (lambda q, k, v: (q, k, v[:, :, :-1]), "same shape"),
-    (lambda q, k, v: (q, k[:, :1], v[:, :1]), "H=2"),
+    (lambda q, k, v: (q, torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1)), "H=2"),  # 3 key heads
     (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), "head dim d=12"),
     (lambda q, k, v: (q, k[..., :8], v[..., :8]), "d=16"),
     (lambda q, k, v: (q.cpu().numpy(), k, v), "torch.Tensor"),
@@ -311,10 +314,10 @@ def test_saves_no_n_by_n_tensor():
 def test_bad_input_raises_value_error(make, words):
     q, k, v, _ = qkv_do(1, 2, 8, 8, 16)
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
-        A.attention(*make(q, k, v))
+        AB.attention(*make(q, k, v))
 
 
 def test_bad_sm_scale_raises():
     q, k, v, _ = qkv_do(1, 1, 8, 8, 16)
     with pytest.raises(ValueError, match="sm_scale"):
-        A.attention(q, k, v, sm_scale=float("nan"))
+        AB.attention(q, k, v, sm_scale=float("nan"))

@@ -3,7 +3,9 @@
 
 Everything takes and returns tensors shaped ``(B, H, N, d)`` (batch, heads, sequence, head dim):
 queries ``q`` of shape ``(B, H, N_Q, d)``, keys and values ``k``, ``v`` of shape ``(B, H, N_K, d)``,
-with ``N_Q`` and ``N_K`` free to differ.
+with ``N_Q`` and ``N_K`` free to differ. The kernels also take keys and values with fewer heads,
+``(B, H_KV, N_K, d)`` with H_KV dividing H (grouped-query attention: query head h reads key head
+h // (H / H_KV)); the references take them with repeated heads (``k.repeat_interleave(H // H_KV, 1)``).
 
 - ``attention_ref``: the spec, ``softmax(q kᵀ · sm_scale) v`` in plain PyTorch, computed in float32
   (float64 stays float64), with the log-sum-exp of each row if asked for;
@@ -16,6 +18,8 @@ with ``N_Q`` and ``N_K`` free to differ.
   ``flash_attention_v4_kernel`` (the final one), and ``flash_attention(..., version=N)`` runs any of them;
 - ``causal_key_range``: the keys a causal query tile computes without a mask, with one, or skips, shared by
   the kernels, the lesson and the graders.
+- ``check_inputs`` and the lean launcher ``_forward``: what the differentiable ``attention`` of chapter 07
+  (``kernelcourse.attention_backward.attention``) checks, and runs.
 
 **Causal masks are top-left aligned**, as in ``torch.nn.functional.scaled_dot_product_attention(...,
 is_causal=True)``: query ``i`` sees keys ``j <= i``, counting both from the start of their sequences.
@@ -31,6 +35,8 @@ Import this module after ``kc.setup()``: Triton reads the interpreter switch whe
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
@@ -42,10 +48,11 @@ from .world import world
 
 __all__ = ["attention_ref", "causal_mask", "softmax_state", "online_softmax_merge", "online_softmax",
            "tiled_attention_ref", "flash_attention", "flash_attention_kernel", "attention_flops",
-           "tuned_config", "FWD_CONFIGS", "LOG2E", "attention"]
+           "tuned_config", "FWD_CONFIGS", "LOG2E", "VERSIONS", "FINAL", "causal_key_range", "check_inputs"]
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
-LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) = log2(x) * ln(2); a constexpr, so kernels can read it
+# Constants that kernels read are constexprs (Triton reads no other globals); on the host, ``LOG2E.value``.
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x · log2(e))
+LN2 = tl.constexpr(0.6931471805599453)    # ln(2): log(x) = log2(x) · ln(2)
 
 
 # ---- the spec ----------------------------------------------------------------------------------
@@ -212,6 +219,22 @@ def causal_key_range(q0, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def causal_visible(queries, keys):
+    """The causal mask, top-left aligned as SDPA's ``is_causal``: query i sees key j when j <= i. The
+    kernels pass index vectors already broadcast to their tile, (queries, keys) or (keys, queries)."""
+    return keys <= queries
+
+
+@triton.jit
+def longest_first(tile, CAUSAL: tl.constexpr):
+    """This program's query tile, the grid's order reversed under a causal mask: there, the tiles near
+    the end see the most keys, and starting them first keeps the GPU from waiting on a few long ones."""
+    if CAUSAL:
+        tile = tl.num_programs(0) - 1 - tile
+    return tile
+
+
+@triton.jit
 def _key_range(q0, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """(n_full, n_end) of any query tile: the causal range, or all keys with only the last, partial tile masked."""
     if CAUSAL:
@@ -226,14 +249,14 @@ def _key_range(q0, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def flash_attention_v1_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr):
-    # program (query tile, batch·head) of contiguous (B·H, N, d) tensors
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
+    # program (query tile, batch·head) of contiguous (B·H, N, d) tensors; k and v have H / KV_GROUP heads
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1).to(tl.int64)
     q_ptr += off_hz * N_Q * HEAD_DIM
     o_ptr += off_hz * N_Q * HEAD_DIM
-    k_ptr += off_hz * N_K * HEAD_DIM
-    v_ptr += off_hz * N_K * HEAD_DIM
+    k_ptr += (off_hz // KV_GROUP) * N_K * HEAD_DIM                         # query head h reads key head h // KV_GROUP
+    v_ptr += (off_hz // KV_GROUP) * N_K * HEAD_DIM
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -249,7 +272,7 @@ def flash_attention_v1_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, N_Q
         s = tl.dot(q, tl.trans(k)) * sm_scale                              # (BLOCK_M, BLOCK_N), fp32
         keep = keys[None, :] < N_K
         if CAUSAL:
-            keep = keep & (keys[None, :] <= offs_m[:, None])               # top-left: key j <= query i
+            keep = keep & causal_visible(offs_m[:, None], keys[None, :])
         s = tl.where(keep, s, float("-inf"))
         # Key 0 is in the first tile and every row sees it: from then on m_new is finite, and a row whose
         # scores in a later tile are all -inf gets p = exp(-inf) = 0 from it.
@@ -279,7 +302,7 @@ def _probabilities(qk, m_i, qk_scale, keys, offs_m, N_K, MASKED: tl.constexpr, C
     if MASKED:
         keep = keys[None, :] < N_K
         if CAUSAL:
-            keep = keep & (keys[None, :] <= offs_m[:, None])               # top-left: key j <= query i
+            keep = keep & causal_visible(offs_m[:, None], keys[None, :])
         qk = tl.where(keep, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         qk -= m_new[:, None]
@@ -304,12 +327,8 @@ def _accumulate(acc, l_i, m_i, m_new, p, v):
 
 @triton.jit
 def _program_tile(CAUSAL: tl.constexpr):
-    """(query tile, batch·head) of this program. Causal: the query tiles near the end have the most keys,
-    so they start first (the grid is reversed), and the GPU is not left waiting for a few long ones."""
-    start_m = tl.program_id(0)
-    if CAUSAL:
-        start_m = tl.num_programs(0) - 1 - start_m
-    return start_m, tl.program_id(1)
+    """(query tile, batch·head) of this program; causal, the longest query tiles first."""
+    return longest_first(tl.program_id(0), CAUSAL=CAUSAL), tl.program_id(1)
 
 
 # -- v2: exp2, causal tiles skipped, masks only where needed; pointer loads
@@ -340,13 +359,13 @@ def _attend_tiles_v2(acc, l_i, m_i, q, k_ptr, v_ptr, qk_scale, offs_m, offs_n, o
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def flash_attention_v2_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr):
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_hz = off_hz.to(tl.int64)                      # contiguous (B·H, N, d): large offsets need 64 bits
     q_ptr += off_hz * N_Q * HEAD_DIM
     o_ptr += off_hz * N_Q * HEAD_DIM
-    k_ptr += off_hz * N_K * HEAD_DIM
-    v_ptr += off_hz * N_K * HEAD_DIM
+    k_ptr += (off_hz // KV_GROUP) * N_K * HEAD_DIM    # KV_GROUP query heads share each key head
+    v_ptr += (off_hz // KV_GROUP) * N_K * HEAD_DIM
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -401,10 +420,11 @@ def _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, o
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
 def flash_attention_v3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr):
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
+    off_hk = off_h // KV_GROUP                    # the key head it reads: KV_GROUP query heads share one
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)
     q = _load_tile(q_desc, off_z, off_h, start_m * BLOCK_M, BLOCK_M, HEAD_DIM)  # rows past N_Q read 0
@@ -414,9 +434,9 @@ def flash_attention_v3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)                  # running p @ v
 
     n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
-    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                      0, n_full, N_K, BLOCK_N, HEAD_DIM, MASKED=False, CAUSAL=CAUSAL)
-    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles_v3(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                      n_full, n_end, N_K, BLOCK_N, HEAD_DIM, MASKED=True, CAUSAL=CAUSAL)
 
     tl.store(lse_ptr + off_hz * N_Q + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < N_Q)
@@ -457,10 +477,11 @@ def _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs
 @triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
 def flash_attention_v4_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, N_Q, N_K,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr):
+                              CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     start_m, off_hz = _program_tile(CAUSAL=CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
+    off_hk = off_h // KV_GROUP                    # the key head it reads: KV_GROUP query heads share one
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)
     q = _load_tile(q_desc, off_z, off_h, start_m * BLOCK_M, BLOCK_M, HEAD_DIM)  # rows past N_Q read 0
@@ -471,9 +492,9 @@ def flash_attention_v4_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale,
 
     # Keys [0, n_full) need no mask; [n_full, n_end) do; [n_end, N_K) are never loaded.
     n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                   0, n_full, N_K, BLOCK_N, HEAD_DIM, MASKED=False, CAUSAL=CAUSAL)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_h, qk_scale, offs_m, offs_n,
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_desc, v_desc, off_z, off_hk, qk_scale, offs_m, offs_n,
                                   n_full, n_end, N_K, BLOCK_N, HEAD_DIM, MASKED=True, CAUSAL=CAUSAL)
 
     # epilogue: normalise once, and keep log Σ exp(s) = (m2 + log2 Σ exp2(s2 - m2)) · ln 2 for the backward pass
@@ -490,6 +511,8 @@ _DESCRIPTORS = {3, 4}                                  # the versions that read 
 
 
 # ---- tile sizes ----------------------------------------------------------------------------------
+#
+# Shared with the backward kernels of chapter 07 (kernelcourse.attention_backward imports them from here).
 
 
 def _set_block_shapes(nargs):
@@ -499,7 +522,7 @@ def _set_block_shapes(nargs):
     nargs["k_desc"].block_shape = nargs["v_desc"].block_shape = [1, 1, bn, d]
 
 
-def _config(block_m, block_n, warps, stages, pre_hook=_set_block_shapes):
+def _config(block_m, block_n, warps, stages, pre_hook=None):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages,
                          pre_hook=pre_hook)
 
@@ -512,13 +535,14 @@ def _config(block_m, block_n, warps, stages, pre_hook=_set_block_shapes):
 # has 64 KB per block) and for d = 256 (chosen by _prune).
 _CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
                (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 1)]
-FWD_CONFIGS = [_config(*c) for c in _CANDIDATES]                       # v3, v4: descriptors get their tiles
-_POINTER_CONFIGS = [_config(*c, pre_hook=None) for c in _CANDIDATES]   # v1, v2
+FWD_CONFIGS = [_config(*c, pre_hook=_set_block_shapes) for c in _CANDIDATES]  # v3, v4: descriptors get their tiles
+_POINTER_CONFIGS = [_config(*c) for c in _CANDIDATES]                          # v1, v2
 # Which candidates a large GPU tries for each head dim (keys of the configs above).
 _TRIED = {
     64: {(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)},
     128: {(128, 128, 8, 2)},
 }
+# The tiles in Triton's interpreter, forward and backward: small, so that small test sizes cross tiles.
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
@@ -526,15 +550,35 @@ def _key(c: triton.Config) -> tuple:
     return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
-def _smem_bytes(c: triton.Config, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory a config needs, roughly: the query tile, num_stages K and V tiles, and a tile of p."""
+def _smem_bytes(c: triton.Config, head_dim: int, resident: str = "q", resident_tiles: int = 1,
+                itemsize: int = 2) -> int:
+    """Shared memory a config needs, roughly: the tiles that stay (``resident``: the query side, or the
+    key side "kv") once, the K and V (or Q and dO) tiles streaming past num_stages times, and a tile of p.
+    The forward keeps one query tile; the backward keeps a pair, K and V or Q and dO."""
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-    return itemsize * (head_dim * (bm + 2 * c.num_stages * bn) + bm * bn)
+    stay, stream = (bn, bm) if resident == "kv" else (bm, bn)
+    return itemsize * (head_dim * (resident_tiles * stay + 2 * c.num_stages * stream) + bm * bn)
+
+
+@functools.cache
+def _properties_of(device_index: int) -> dict:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)
 
 
 def _device_properties() -> dict:
-    """Triton's properties of the current GPU (``max_shared_mem``: bytes of shared memory per block)."""
-    return triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+    """Triton's properties of the current GPU (``max_shared_mem``: bytes of shared memory per block),
+    asked once per GPU."""
+    return _properties_of(torch.cuda.current_device())
+
+
+@functools.cache
+def _capability_of(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of the GPU that holds ``t`` (asked once per GPU), None off a GPU."""
+    return _capability_of(t.get_device()) if t.is_cuda else None
 
 
 def _prune(configs, named_args, **kwargs):
@@ -553,29 +597,53 @@ def _prune(configs, named_args, **kwargs):
     return short or kept or [min(configs, key=lambda c: _smem_bytes(c, d))]
 
 
-def tuned_config(version: int = FINAL) -> str | None:
-    """The config the autotuner chose for the last GPU launch of ``flash_attention(..., version)``, in words."""
-    c = getattr(_tuned.get(version), "best_config", None)
+# ---- autotuning, shared by the forward and backward kernels ----------------------------------------
+#
+# Each kernel is registered under a name ("v1" ... "v4" here, "dkdv" and "dq" in attention_backward) with
+# its candidates, its pruning and its timing. Its autotuner is made on first use; it times the candidates
+# once per (N_Q, N_K, HEAD_DIM, CAUSAL, dtype) and keeps the winner.
+
+_TUNING: dict[str, tuple] = {}        # name -> (kernel, configs, prune, bench)
+_tuned: dict[str, object] = {}        # name -> its autotuner
+_chosen: dict[str, triton.Config] = {}  # name -> the config of its last launch on a GPU
+
+
+def _tuned_kernel(name: str):
+    """The autotuner of kernel ``name``, made the first time it is asked for."""
+    if name not in _tuned:
+        kernel, configs, prune, bench = _TUNING[name]
+        _tuned[name] = triton.autotune(configs, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL"],
+                                       prune_configs_by={"early_config_prune": prune}, do_bench=bench)(kernel)
+    return _tuned[name]
+
+
+def _launch_tuned(name: str, grid, *args, **consts) -> triton.Config:
+    """Launch kernel ``name`` through its autotuner; return (and remember) the config it ran with."""
+    tuner = _tuned_kernel(name)
+    tuner[grid](*args, **consts)
+    _chosen[name] = tuner.best_config
+    return tuner.best_config
+
+
+def _describe(c: triton.Config | None) -> str | None:
     if c is None:
         return None
     return f"BLOCK_M={c.kwargs['BLOCK_M']}, BLOCK_N={c.kwargs['BLOCK_N']}, {c.num_warps} warps, {c.num_stages} stages"
 
 
-_tuned = {}
+def tuned_config(version: int = FINAL) -> str | None:
+    """The config of the last GPU launch of ``flash_attention(..., version)`` (or of ``attention``), in words."""
+    return _describe(_chosen.get(f"v{version}"))
 
 
-def _tuned_kernel(version: int = FINAL):
-    if version not in _tuned:
-        # The autotuner times each candidate for ~40 ms (not Triton's default 125): enough to rank them,
-        # and it runs again for every new (N_Q, N_K, HEAD_DIM, CAUSAL, dtype).
-        def bench(fn, quantiles):
-            return triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=quantiles)
+def _bench_40ms(fn, quantiles):
+    # The autotuner times each candidate for ~40 ms (not Triton's default 125): enough to rank them,
+    # and it runs again for every new (N_Q, N_K, HEAD_DIM, CAUSAL, dtype).
+    return triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=quantiles)
 
-        configs = FWD_CONFIGS if version in _DESCRIPTORS else _POINTER_CONFIGS
-        tune = triton.autotune(configs, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL"],
-                               prune_configs_by={"early_config_prune": _prune}, do_bench=bench)
-        _tuned[version] = tune(_KERNELS[version])
-    return _tuned[version]
+
+_TUNING.update({f"v{n}": (kernel, FWD_CONFIGS if n in _DESCRIPTORS else _POINTER_CONFIGS, _prune, _bench_40ms)
+                for n, kernel in _KERNELS.items()})
 
 
 # ---- the launcher ----------------------------------------------------------------------------------
@@ -619,10 +687,12 @@ def check_dtype(dtype: torch.dtype, capability: tuple[int, int] | None) -> None:
 
 def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None, config: dict | None = None,
                     version: int | None = None):
-    """FlashAttention forward: ``(o, lse)`` for ``q`` (B, H, N_Q, d) and ``k``, ``v`` (B, H, N_K, d).
+    """FlashAttention forward: ``(o, lse)`` for ``q`` (B, H, N_Q, d) and ``k``, ``v`` (B, H_KV, N_K, d).
 
     ``o`` has ``q``'s shape and dtype; ``lse`` is float32 (B, H, N_Q), natural log. ``d`` is a power of
     two from 16 to 256. ``causal`` masks top-left (query i sees keys j <= i, as SDPA's ``is_causal``).
+    Keys and values may have fewer heads than the queries (grouped-query attention): H_KV divides H, and
+    query head h reads key head h // (H / H_KV), as if each were repeated H / H_KV times.
     On a GPU the tile sizes are autotuned per (N_Q, N_K, d, causal, dtype) unless ``config`` gives them
     (keys BLOCK_M, BLOCK_N, num_warps, num_stages); in the interpreter they default to 32 x 32.
     ``version`` picks one of chapter 06's versions (``VERSIONS``); by default the final one, v4, or on a
@@ -630,73 +700,157 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
     """
     assert q.ndim == k.ndim == v.ndim == 4, "q, k, v are (B, H, N, d)"
     B, H, n_q, d = q.shape
-    n_k = k.shape[2]
-    assert k.shape == v.shape == (B, H, n_k, d), f"k and v must be (B, H, N_K, d) = {(B, H, n_k, d)}"
+    h_kv, n_k = k.shape[1], k.shape[2]
+    assert k.shape == v.shape == (B, h_kv, n_k, d) and H % h_kv == 0, "k and v must be (B, H_KV, N_K, d), H_KV | H"
     assert q.dtype == k.dtype == v.dtype, "q, k and v must share one dtype"
     assert d in (16, 32, 64, 128, 256), f"head dim {d}: this kernel takes a power of two from 16 to 256"
     assert n_q >= 1 and n_k >= 1, "no queries, or no keys to attend to"
-    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    check_dtype(q.dtype, capability)
-    version = default_version(capability) if version is None else version
+    check_dtype(q.dtype, capability(q))
+    version = default_version(capability(q)) if version is None else version
     assert version in _KERNELS, f"version {version}: chapter 06's versions are {sorted(_KERNELS)}"
     lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
     scale = _scale(q, sm_scale)
+    consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
     if version in _DESCRIPTORS:
         q, k, v = (_descriptor_ready(t) for t in (q, k, v))
         o = _empty_in_layout_of(q)
         # block shapes are placeholders until _set_block_shapes gives each descriptor its config's tile
         tensors = {name: TensorDescriptor.from_tensor(t, [1, 1, 16, d])
                    for name, t in (("q_desc", q), ("k_desc", k), ("v_desc", v), ("o_desc", o))}
-        args = (*tensors.values(), lse, scale * LOG2E, H, n_q, n_k)
+        args = (*tensors.values(), lse, scale * LOG2E.value, H, n_q, n_k)
     else:
         q, k, v = (t.contiguous() for t in (q, k, v))  # (B·H, N, d) rows, as the pointer kernels index them
         o = torch.empty_like(q)
-        args = (q, k, v, o, lse, scale if version == 1 else scale * LOG2E, n_q, n_k)
+        args = (q, k, v, o, lse, scale if version == 1 else scale * LOG2E.value, n_q, n_k)
     if config is None and world().gpu:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _tuned_kernel(version)[grid](*args, HEAD_DIM=d, CAUSAL=causal)  # each config's pre-hook sets the shapes
+        _launch_tuned(f"v{version}", grid, *args, **consts)  # each config's pre-hook sets the shapes
     else:
         cfg = {**INTERPRETER_CONFIG, **(config or {})}
         if version in _DESCRIPTORS:
             _set_block_shapes({**tensors, **cfg, "HEAD_DIM": d})
         grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
-        _KERNELS[version][grid](*args, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        _KERNELS[version][grid](*args, **consts, **cfg)
     return o, lse
 
 
-# ---- differentiable attention (chapter 07) -------------------------------------------------------
+# ---- the lean launcher -----------------------------------------------------------------------------
+#
+# What ``kernelcourse.attention_backward.attention`` runs. ``flash_attention`` above is written to be read,
+# and pays for it at every call: it checks its input, asks which GPU it is on, builds its descriptors with
+# placeholder tiles that a pre-hook reshapes, and goes through the autotuner, which rebuilds its dict of
+# arguments. For a short sequence that host work takes longer than the kernel. Here everything that depends
+# only on the shapes is worked out the first time a shape key is seen (that launch goes through the
+# autotuner) and kept: the version, the grid, the config. A test checks the two launchers agree.
+
+_plans: dict[tuple, tuple] = {}   # shape key -> (version, kernel, grid, keyword arguments, the tuned config)
 
 
-def attention(q, k, v, causal: bool = False, sm_scale: float | None = None):
-    """Differentiable FlashAttention, ``softmax(q kᵀ · sm_scale) v`` (introduced in chapter 07).
+def _new_output(q: torch.Tensor, version: int) -> torch.Tensor:
+    """The output tensor of the forward: laid out as q for the descriptor versions, contiguous for the
+    pointer ones. Also what the operator's fake implementation returns, so it must not look at data."""
+    if version in _DESCRIPTORS:
+        return _empty_in_layout_of(q)
+    return torch.empty(q.shape, device=q.device, dtype=q.dtype)
 
-    ``q`` is (B, H, N_Q, d), ``k`` and ``v`` (B, H, N_K, d), one floating dtype (float16, bfloat16 or
-    float32) on one device, ``d`` a power of two from 16 to 256. The forward is ``flash_attention``;
-    the backward, ``kernelcourse.attention_backward.flash_attention_backward``, recomputes the
-    probabilities from the saved log-sum-exp. Raises ``ValueError`` saying what is wrong with the input.
+
+_DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
+                        if f.default is not dataclasses.MISSING}
+
+
+def _descriptor(t: torch.Tensor, rows: int, d: int) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor(t, [1, 1, rows, d])`` without its checks of alignment and shape, which
+    ``_descriptor_ready`` (or a fresh allocation) and ``check_inputs`` already made."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_DESCRIPTOR_DEFAULTS, base=t, shape=t.shape, strides=t.stride(), block_shape=[1, 1, rows, d])
+    return desc
+
+
+def _forward(q, k, v, causal: bool, scale: float):
+    """``flash_attention(q, k, v, causal, scale)`` for inputs already checked (``check_inputs``), with the
+    launch of each shape worked out once: the forward of the ``kernelcourse::attention_fwd`` operator."""
+    B, H, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    key = ("fwd", q.dtype, q.get_device(), B, H, h_kv, n_q, n_k, d, causal)
+    plan = _plans.get(key)
+    version = default_version(capability(q)) if plan is None else plan[0]
+    o = _new_output(q, version)
+    lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
+    if version in _DESCRIPTORS:
+        q, k, v = _descriptor_ready(q), _descriptor_ready(k), _descriptor_ready(v)
+        bm, bn = (plan[3]["BLOCK_M"], plan[3]["BLOCK_N"]) if plan else (16, 16)  # first call: the pre-hook's
+        args = (_descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d), _descriptor(o, bm, d),
+                lse, scale * LOG2E.value, H, n_q, n_k)
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        args = (q, k, v, o, lse, scale if version == 1 else scale * LOG2E.value, n_q, n_k)
+    if plan is not None:
+        plan[1].run(*args, grid=plan[2], warmup=False, **plan[3])
+        if plan[4] is not None:
+            _chosen[f"v{version}"] = plan[4]      # what tuned_config() reports
+        return o, lse
+    consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
+    if world().gpu:
+        c = _launch_tuned(f"v{version}", lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H), *args, **consts)
+        cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    else:
+        cfg = dict(INTERPRETER_CONFIG)
+        if version in _DESCRIPTORS:
+            _set_block_shapes({"q_desc": args[0], "k_desc": args[1], "v_desc": args[2], "o_desc": args[3],
+                               **cfg, "HEAD_DIM": d})
+        _KERNELS[version][(triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)](*args, **consts, **cfg)
+    _plans[key] = (version, _KERNELS[version], (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H), {**consts, **cfg},
+                   c if world().gpu else None)
+    return o, lse
+
+
+# ---- the checks of the public entry -------------------------------------------------------------------
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_inputs(q, k, v, causal=False, sm_scale=None) -> None:
+    """Raise a ``ValueError`` that says what is wrong with the input of ``attention``, if anything.
+
+    ``q`` (B, H, N_Q, d) and ``k``, ``v`` (B, H_KV, N_K, d) with H_KV dividing H, one floating dtype, on the
+    device the course runs on (``kc.world().device``); ``d`` a power of two from 16 to 256; ``causal`` a bool
+    (the only mask there is, top-left); ``sm_scale`` None or a finite number > 0.
     """
+    w = world()
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
+        if len(t.shape) != 4:
             raise ValueError(f"{name} must be 4-dimensional (B, H, N, d), got shape {tuple(t.shape)}")
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {t.dtype}: attention takes float16, bfloat16 or float32")
+        if t.is_cuda != w.gpu:
+            raise ValueError(f"{name} is on {t.device}, but the kernels run on {w.device} here (kc.world().device): "
+                             f"move the tensors there, e.g. {name}.to('{w.device}')")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    if q.dtype == torch.bfloat16 and not w.gpu:
+        raise ValueError("bfloat16 does not run in Triton's interpreter (no GPU here): use float32 or float16")
     B, H, n_q, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != d:
-        raise ValueError(f"k and v must be (B, H, N_K, d) with q's B={B}, H={H}, d={d}; got {tuple(k.shape)}")
+    h_kv = k.shape[1]
+    if k.shape[0] != B or k.shape[3] != d or h_kv == 0 or H % h_kv != 0:
+        raise ValueError(f"k and v must be (B, H_KV, N_K, d) with q's B={B} and d={d}, and H_KV dividing q's "
+                         f"H={H} (grouped-query attention); got {tuple(k.shape)}")
     if d not in (16, 32, 64, 128, 256):
         raise ValueError(f"head dim d={d} is not supported: use a power of two from 16 to 256")
     if n_q == 0 or k.shape[2] == 0 or B == 0 or H == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not isinstance(causal, (bool, int)) or isinstance(causal, torch.Tensor):
+        raise ValueError(f"causal must be True or False, got {type(causal).__name__}: attention supports no "
+                         f"other mask than the causal one (top-left aligned, query i sees keys j <= i)")
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale must be a finite number or None, got {sm_scale!r}")
-    from .attention_backward import FlashAttention  # imports this module: import it only when called
-
-    return FlashAttention.apply(q, k, v, bool(causal), sm_scale)
+    if sm_scale is not None and sm_scale <= 0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale!r}: the kernels take each row's maximum score "
+                         f"before scaling it, which is the maximum after only for a positive scale")
+    check_dtype(q.dtype, w.capability)  # the GPU q is on (a cached lookup Dynamo need not trace)

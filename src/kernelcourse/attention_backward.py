@@ -18,8 +18,12 @@ With ``S = sm_scale · Q Kᵀ``, ``P = softmax(S)`` and ``O = P V``, the gradien
   Triton kernels (plain pointer loads and stores with masks, so they run on any GPU and in the
   interpreter), and ``flash_attention_backward``, their launcher;
 - ``FlashAttention``: the ``torch.autograd.Function`` whose forward is chapter 06's kernel (it saves
-  ``q``, ``k``, ``v``, ``o`` and ``lse``, never ``P``) and whose backward is this module's. Call it
-  through ``kernelcourse.attention.attention(q, k, v, causal, sm_scale)``, which checks its input.
+  ``q``, ``k``, ``v``, ``o`` and ``lse``, never ``P``) and whose backward is this module's;
+- ``attention(q, k, v, causal=False, sm_scale=None)``: the public entry, differentiable, checked once, with
+  grouped-query attention (``k``, ``v`` with fewer heads than ``q``). It runs the same kernels as the
+  PyTorch operators ``torch.ops.kernelcourse.attention_fwd`` and ``attention_bwd``, which
+  ``torch.compile`` traces without a graph break, through lean launchers that work out each shape's
+  launch once.
 
 Import this module after ``kc.setup()``: Triton reads the interpreter switch when a kernel is defined.
 """
@@ -31,14 +35,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _device_properties, _scale, attention_flops, causal_mask, flash_attention
+from .attention import (INTERPRETER_CONFIG, LOG2E, _TUNING, _chosen, _config, _describe, _device_properties,
+                        _forward, _key, _key_range, _launch_tuned, _new_output, _plans, _scale, _smem_bytes,
+                        attention_flops, capability, causal_mask, causal_visible, check_inputs, default_version,
+                        flash_attention, longest_first)
 from .world import world
 
 __all__ = ["attention_backward_ref", "tiled_attention_backward_ref", "attention_backward_flops",
            "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel",
-           "flash_attention_backward", "tuned_configs", "FlashAttention", "DKDV_CONFIGS", "DQ_CONFIGS"]
+           "flash_attention_backward", "tuned_configs", "FlashAttention", "DKDV_CONFIGS", "DQ_CONFIGS",
+           "attention", "attention_fwd", "attention_bwd"]
 
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x · log2(e)); a constexpr, so kernels can read it
 # Causal backwards take the heads four at a time (tile_and_head); without a mask, head by head was faster.
 CAUSAL_HEAD_GROUP = tl.constexpr(4)
 
@@ -192,7 +199,7 @@ def _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, o
         if MASKED:
             keep = rows[None, :]
             if CAUSAL:
-                keep = keep & (offs_n[:, None] <= offs_m[None, :])               # top-left: key j <= query i
+                keep = keep & causal_visible(offs_m[None, :], offs_n[:, None])
             p_t = tl.where(keep, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)                                      # dV += Pᵀ dO
         dp_t = tl.dot(v, tl.trans(do))                                             # dPᵀ = V dOᵀ
@@ -210,20 +217,17 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_dob, stride_doh, stride_don,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              CAUSAL: tl.constexpr, EVEN_M: tl.constexpr):
-    # program (key tile, batch·head): it owns BLOCK_N rows of dK and dV and writes each once.
+                              CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, KV_GROUP: tl.constexpr = 1):
+    # program (key tile, batch·key head): it owns BLOCK_N rows of dK and dV and writes each once.
     # Causal: key tile 0 has the most work; heads four at a time start it first (see tile_and_head)
     start_n, off_hz = tile_and_head(CAUSAL_HEAD_GROUP if CAUSAL else 1)
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # this tile's keys
     offs_d = tl.arange(0, HEAD_DIM)
     kv = offs_n[:, None] * stride_kn + offs_d[None, :]                          # k and v share strides
     keys = offs_n[:, None] < N_K
-    k = tl.load(head_start(k_ptr, off_hz, H, stride_kb, stride_kh) + kv, mask=keys, other=0.0)  # (BLOCK_N, HEAD_DIM)
-    v = tl.load(head_start(v_ptr, off_hz, H, stride_kb, stride_kh) + kv, mask=keys, other=0.0)
-    q_head = head_start(q_ptr, off_hz, H, stride_qb, stride_qh)
-    do_head = head_start(do_ptr, off_hz, H, stride_dob, stride_doh)
-    lse_head = lse_ptr + off_hz * N_Q
-    delta_head = delta_ptr + off_hz * N_Q
+    k_head = head_start(k_ptr, off_hz, H // KV_GROUP, stride_kb, stride_kh)     # k, v: H / KV_GROUP heads
+    k = tl.load(k_head + kv, mask=keys, other=0.0)                              # (BLOCK_N, HEAD_DIM)
+    v = tl.load(head_start(v_ptr, off_hz, H // KV_GROUP, stride_kb, stride_kh) + kv, mask=keys, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
@@ -239,17 +243,25 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
         lo = 0
         m_full = 0
     m_tail = tl.maximum(m_full, m_whole)
-    # The unmasked tiles first, then the masked ones: the sums are the same in any order, but compiled for a
-    # Hopper GPU with the diagonal's loop first, ptxas makes every matmul of the kernel wait for the one
-    # before it (its warning C7515: "wgmma.mma_async instructions are serialized").
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_full, m_whole, N_Q,
-                         stride_qn, stride_don, BLOCK_M, HEAD_DIM, False, CAUSAL)
-    if CAUSAL:
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, lo, m_full, N_Q,
-                             stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
-    if not EVEN_M:  # an empty loop where BLOCK_M divides N_Q, but compiled in, it slows the ones before it
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_tail, N_Q, N_Q,
-                             stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
+    # Grouped-query attention: the KV_GROUP query heads that read this key head each add their share, with
+    # K and V loaded once (without grouping, KV_GROUP = 1: one head, and the compiler drops the loop).
+    for g in range(KV_GROUP):
+        off_hq = off_hz * KV_GROUP + g                 # a query head (batch·head) that reads key head off_hz
+        q_head = head_start(q_ptr, off_hq, H, stride_qb, stride_qh)
+        do_head = head_start(do_ptr, off_hq, H, stride_dob, stride_doh)
+        lse_head = lse_ptr + off_hq * N_Q
+        delta_head = delta_ptr + off_hq * N_Q
+        # The unmasked tiles first, then the masked ones: the sums are the same in any order, but compiled for
+        # a Hopper GPU with the diagonal's loop first, ptxas makes every matmul of the kernel wait for the one
+        # before it (its warning C7515: "wgmma.mma_async instructions are serialized").
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_full, m_whole,
+                             N_Q, stride_qn, stride_don, BLOCK_M, HEAD_DIM, False, CAUSAL)
+        if CAUSAL:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, lo, m_full,
+                                 N_Q, stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
+        if not EVEN_M:  # an empty loop where BLOCK_M divides N_Q, but compiled in, it slows the ones before it
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_head, do_head, lse_head, delta_head, qk_scale, offs_n, m_tail, N_Q,
+                                 N_Q, stride_qn, stride_don, BLOCK_M, HEAD_DIM, True, CAUSAL)
     out = off_hz * N_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # dk, dv: contiguous
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=keys)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=keys)
@@ -275,7 +287,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, lo, hi, 
         if MASKED:
             keep = keys[None, :]
             if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                keep = keep & causal_visible(offs_m[:, None], offs_n[None, :])
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))                                                  # dO Vᵀ
         ds = p * (dp - delta[:, None])
@@ -288,11 +300,10 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
                             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                             stride_dob, stride_doh, stride_don,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            CAUSAL: tl.constexpr):
+                            CAUSAL: tl.constexpr, KV_GROUP: tl.constexpr = 1):
     # program (query tile, batch·head), as in the forward; causal tiles near the end have the most keys
     start_m, off_hz = tile_and_head(CAUSAL_HEAD_GROUP if CAUSAL else 1)
-    if CAUSAL:
-        start_m = tl.num_programs(0) - 1 - start_m
+    start_m = longest_first(start_m, CAUSAL=CAUSAL)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < N_Q
@@ -302,20 +313,14 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
                  mask=rows[:, None], other=0.0)
     lse2 = tl.load(lse_ptr + off_hz * N_Q + offs_m, mask=rows, other=0.0) * LOG2E
     delta = tl.load(delta_ptr + off_hz * N_Q + offs_m, mask=rows, other=0.0)
-    k_head = head_start(k_ptr, off_hz, H, stride_kb, stride_kh)
-    v_head = head_start(v_ptr, off_hz, H, stride_kb, stride_kh)
+    # query head h reads key head h // KV_GROUP, of H / KV_GROUP
+    k_head = head_start(k_ptr, off_hz // KV_GROUP, H // KV_GROUP, stride_kb, stride_kh)
+    v_head = head_start(v_ptr, off_hz // KV_GROUP, H // KV_GROUP, stride_kb, stride_kh)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
 
     # Keys [0, n_full) need no mask; [n_full, n_end) do; [n_end, N_K) are never loaded (chapter 06).
-    n_whole = (N_K // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        q0 = start_m * BLOCK_M
-        n_end = tl.minimum(q0 + BLOCK_M, N_K)
-        n_full = tl.minimum((q0 + 1) // BLOCK_N * BLOCK_N, n_whole)
-    else:
-        n_end = N_K
-        n_full = n_whole
+    n_full, n_end = _key_range(start_m * BLOCK_M, N_K, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, 0, n_full, N_K, stride_kn,
                    BLOCK_N, HEAD_DIM, False, CAUSAL)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_head, v_head, qk_scale, offs_m, n_full, n_end, N_K, stride_kn,
@@ -325,11 +330,9 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
 
 
 # ---- configs and launcher ------------------------------------------------------------------------
-
-
-def _config(block_m, block_n, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
-
+#
+# The tile configs, the shared-memory estimate, the autotuning and the interpreter's tiles are chapter 06's
+# (kernelcourse.attention): this module only lists its own candidates and which of them a large GPU tries.
 
 # Candidates for the dK/dV kernel: a key tile of BLOCK_N rows stays in registers while query tiles of
 # BLOCK_M rows stream past. The last ones fit a small GPU's shared memory.
@@ -344,7 +347,6 @@ DQ_CONFIGS = [
     _config(64, 32, 4, 3), _config(64, 64, 4, 3), _config(64, 32, 4, 2), _config(64, 16, 4, 2),
     _config(32, 16, 4, 1),
 ]
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
 # Which candidates a large GPU (200 KB of shared memory or more) tries for each head dim, the three fastest
@@ -361,25 +363,13 @@ _TRIED = {
 }
 
 
-def _key(c: triton.Config) -> tuple:
-    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-
-
-def _smem_bytes(c: triton.Config, head_dim: int, resident: str, itemsize: int = 2) -> int:
-    """Shared memory a config needs, roughly: the resident tile pair (K, V or Q, dO) once, the
-    streaming pair num_stages times, and one tile of p."""
-    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-    stay, stream = (bn, bm) if resident == "kv" else (bm, bn)
-    return itemsize * (head_dim * (2 * stay + 2 * c.num_stages * stream) + bm * bn)
-
-
 def _pruner(resident: str):
     def prune(configs, named_args, **kwargs):
         """The candidates whose tiles fit in this GPU's shared memory (64 KB per block on a T4, 227 KB
         on an H100), on a large GPU the few chosen for this head dim, not much larger than the sequences."""
         d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
         smem = _device_properties().get("max_shared_mem", 0) or 1 << 30
-        kept = [c for c in configs if _smem_bytes(c, d, resident) <= smem]
+        kept = [c for c in configs if _smem_bytes(c, d, resident, resident_tiles=2) <= smem]
         if smem >= 200 * 1024 and d in _TRIED[resident]:
             kept = [c for c in kept if _key(c) in _TRIED[resident][d]]
         n_q = named_args.get("N_Q", kwargs.get("N_Q"))
@@ -389,40 +379,26 @@ def _pruner(resident: str):
     return prune
 
 
-_tuned: dict[str, object] = {}
+def _bench_long(fn, quantiles):
+    # at least 40 ms and ten calls of each candidate: a long backward's call takes over 10 ms.
+    # The first call compiles the candidate; the second, timed, sizes the measurement.
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    rep = max(40.0, 10 * start.elapsed_time(end))
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, quantiles=quantiles)
 
 
-def _tuned_kernel(which: str):
-    if which not in _tuned:
-        def bench(fn, quantiles):
-            # at least 40 ms and ten calls of each candidate: a long backward's call takes over 10 ms.
-            # The first call compiles the candidate; the second, timed, sizes the measurement.
-            fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            rep = max(40.0, 10 * start.elapsed_time(end))
-            return triton.testing.do_bench(fn, warmup=10, rep=rep, quantiles=quantiles)
-
-        configs, kernel, resident = ((DKDV_CONFIGS, attention_bwd_dkdv_kernel, "kv") if which == "dkdv"
-                                     else (DQ_CONFIGS, attention_bwd_dq_kernel, "q"))
-        tune = triton.autotune(configs, key=["N_Q", "N_K", "HEAD_DIM", "CAUSAL"],
-                               prune_configs_by={"early_config_prune": _pruner(resident)}, do_bench=bench)
-        _tuned[which] = tune(kernel)
-    return _tuned[which]
+_TUNING["dkdv"] = (attention_bwd_dkdv_kernel, DKDV_CONFIGS, _pruner("kv"), _bench_long)
+_TUNING["dq"] = (attention_bwd_dq_kernel, DQ_CONFIGS, _pruner("q"), _bench_long)
 
 
 def tuned_configs() -> dict[str, str]:
-    """The configs the autotuner chose for the last GPU launch of each backward kernel, in words."""
-    out = {}
-    for which, kernel in _tuned.items():
-        c = getattr(kernel, "best_config", None)
-        if c is not None:
-            out[which] = (f"BLOCK_M={c.kwargs['BLOCK_M']}, BLOCK_N={c.kwargs['BLOCK_N']}, "
-                          f"{c.num_warps} warps, {c.num_stages} stages")
-    return out
+    """The configs of the last GPU launch of each backward kernel, in words."""
+    return {which: _describe(_chosen[which]) for which in ("dkdv", "dq") if which in _chosen}
 
 
 def _rows_readable(*tensors):
@@ -438,48 +414,62 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _preprocess_block(d: int) -> int:
+    return (64 if d <= 128 else 32) if world().gpu else 16
+
+
 def flash_attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: float | None = None,
                              dkdv_config: dict | None = None, dq_config: dict | None = None):
     """FlashAttention backward: ``(dq, dk, dv)`` from the inputs, the forward's ``o`` and ``lse``, and ``do``.
 
-    Three launches: ``D = rowsum(dO ∘ O)``; one program per (key tile, batch·head) that loops over the
-    query tiles and writes ``dK`` and ``dV``; one per (query tile, batch·head) that loops over the key
-    tiles and writes ``dQ``. Every output element is written once, by one program: no atomics, and the
-    result is the same from run to run. The inputs are read through their strides (heads that are views
-    of a fused projection are not copied); the gradients come out contiguous. On a GPU the tiles are
-    autotuned per (N_Q, N_K, d, causal, dtype) unless a config is given; in the interpreter they are 16 × 16.
+    Three launches: ``D = rowsum(dO ∘ O)``; one program per (key tile, batch·key head) that loops over the
+    query tiles (of every query head that reads this key head) and writes ``dK`` and ``dV``; one per (query
+    tile, batch·head) that loops over the key tiles and writes ``dQ``. Every output element is written once,
+    by one program: no atomics, and the result is the same from run to run. The inputs are read through
+    their strides (heads that are views of a fused projection are not copied); the gradients come out
+    contiguous. ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention, as in
+    ``flash_attention``): ``dk`` and ``dv`` then sum over the query heads that share a key head. On a GPU the
+    tiles are autotuned per (N_Q, N_K, d, causal, dtype) unless a config is given; in the interpreter they
+    are ``INTERPRETER_CONFIG``'s.
     """
     B, H, n_q, d = q.shape
-    n_k = k.shape[2]
+    h_kv, n_k = k.shape[1], k.shape[2]
     (q,), (k, v), (o, do) = _rows_readable(q), _rows_readable(k, v), _rows_readable(o, do)
     lse = lse.float().contiguous()
     scale = _scale(q, sm_scale)
     gpu = world().gpu
     delta = torch.empty_like(lse)
-    block = (64 if d <= 128 else 32) if gpu else 16
+    block = _preprocess_block(d)
     attention_bwd_preprocess_kernel[(triton.cdiv(n_q, block), B * H)](o, do, delta, H, n_q, *_strides(o),
                                                                        HEAD_DIM=d, BLOCK_M=block)
-    dq, dk, dv = (torch.empty((B, H, n, d), device=q.device, dtype=q.dtype) for n in (n_q, n_k, n_k))
+    dq = torch.empty((B, H, n_q, d), device=q.device, dtype=q.dtype)
+    dk, dv = (torch.empty((B, h_kv, n_k, d), device=q.device, dtype=q.dtype) for _ in "kv")
     args = (q, k, v, do, lse, delta)
     strides = (*_strides(q), *_strides(k), *_strides(do))
+    consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
     if gpu and dkdv_config is None:
-        grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * H)  # noqa: E731
-        _tuned_kernel("dkdv")[grid](*args, dk, dv, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal)
+        grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv)  # noqa: E731
+        _launch_tuned("dkdv", grid, *args, dk, dv, scale, H, n_q, n_k, *strides, **consts)
     else:
         cfg = {**INTERPRETER_CONFIG, **(dkdv_config or {})}
-        grid = (triton.cdiv(n_k, cfg["BLOCK_N"]), B * H)
-        attention_bwd_dkdv_kernel[grid](*args, dk, dv, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        grid = (triton.cdiv(n_k, cfg["BLOCK_N"]), B * h_kv)
+        attention_bwd_dkdv_kernel[grid](*args, dk, dv, scale, H, n_q, n_k, *strides, **consts, **cfg)
     if gpu and dq_config is None:
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _tuned_kernel("dq")[grid](*args, dq, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal)
+        _launch_tuned("dq", grid, *args, dq, scale, H, n_q, n_k, *strides, **consts)
     else:
         cfg = {**INTERPRETER_CONFIG, **(dq_config or {})}
         grid = (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)
-        attention_bwd_dq_kernel[grid](*args, dq, scale, H, n_q, n_k, *strides, HEAD_DIM=d, CAUSAL=causal, **cfg)
+        attention_bwd_dq_kernel[grid](*args, dq, scale, H, n_q, n_k, *strides, **consts, **cfg)
     return dq, dk, dv
 
 
 # ---- autograd ------------------------------------------------------------------------------------
+
+NO_SECOND_DERIVATIVE = ("kernelcourse attention has no second derivative: its backward kernels are not "
+                        "differentiable, so the gradient of its gradients (create_graph=True) would miss terms. "
+                        "Use attention_ref where a second derivative is needed.")
+
 
 
 class FlashAttention(torch.autograd.Function):
@@ -487,7 +477,8 @@ class FlashAttention(torch.autograd.Function):
 
     The forward saves ``q``, ``k``, ``v``, the output ``o`` and the log-sum-exp ``lse`` (B, H, N_Q):
     memory that grows as N, never the (B, H, N_Q, N_K) probabilities, which the backward recomputes
-    tile by tile. Use it through ``kernelcourse.attention.attention``, which checks the input.
+    tile by tile. The backward kernels are not themselves differentiable: a backward that would build a
+    graph for a second derivative (``create_graph=True``) raises instead of silently missing its terms.
     """
 
     @staticmethod
@@ -500,6 +491,171 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        if torch.is_grad_enabled():                     # create_graph=True: a second derivative is coming
+            raise RuntimeError(NO_SECOND_DERIVATIVE)
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, causal=ctx.causal, sm_scale=ctx.sm_scale)
         return dq, dk, dv, None, None
+
+
+# ---- the lean backward ---------------------------------------------------------------------------
+#
+# flash_attention_backward for inputs that come from the operator's forward (lse float32 and contiguous,
+# o laid out by _forward), with each shape's launches worked out once, as chapter 06's _forward does.
+
+
+def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
+    B, H, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    if do.stride() != o.stride():                # o is the forward's: rows contiguous
+        o, do = o.contiguous(), do.contiguous()
+    key = ("bwd", q.dtype, q.get_device(), B, H, h_kv, n_q, n_k, d, causal)
+    plan = _plans.get(key)
+    delta = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
+    dq = torch.empty((B, H, n_q, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, h_kv, n_k, d), device=q.device, dtype=q.dtype)
+    dv = torch.empty((B, h_kv, n_k, d), device=q.device, dtype=q.dtype)
+    so, sq, sk, sdo = o.stride(), q.stride(), k.stride(), do.stride()
+    strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sdo[0], sdo[1], sdo[2])
+    if plan is not None:
+        pre_grid, pre_kw, dkdv_grid, dkdv_kw, dq_grid, dq_kw, tuned = plan
+        _PRE.run(o, do, delta, H, n_q, so[0], so[1], so[2], grid=pre_grid, warmup=False, **pre_kw)
+        _DKDV.run(q, k, v, do, lse, delta, dk, dv, scale, H, n_q, n_k, *strides, grid=dkdv_grid, warmup=False,
+                  **dkdv_kw)
+        _DQ.run(q, k, v, do, lse, delta, dq, scale, H, n_q, n_k, *strides, grid=dq_grid, warmup=False, **dq_kw)
+        if tuned:
+            _chosen.update(tuned)                # what tuned_configs() reports
+        return dq, dk, dv
+    # the first call of this shape: through the autotuners on a GPU, and the launches kept
+    block = _preprocess_block(d)
+    pre_grid, pre_kw = (triton.cdiv(n_q, block), B * H), {"HEAD_DIM": d, "BLOCK_M": block}
+    _PRE.run(o, do, delta, H, n_q, so[0], so[1], so[2], grid=pre_grid, warmup=False, **pre_kw)
+    consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
+    args = (q, k, v, do, lse, delta)
+    if world().gpu:
+        tuned = {"dkdv": _launch_tuned("dkdv", lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv),
+                                       *args, dk, dv, scale, H, n_q, n_k, *strides, **consts),
+                 "dq": _launch_tuned("dq", lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H),
+                                     *args, dq, scale, H, n_q, n_k, *strides, **consts)}
+        dkdv_cfg, dq_cfg = ({**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in tuned.values())
+    else:
+        tuned = None
+        dkdv_cfg = dq_cfg = INTERPRETER_CONFIG
+    dkdv_kw = {**consts, **dkdv_cfg, "EVEN_M": n_q % dkdv_cfg["BLOCK_M"] == 0}
+    dq_kw = {**consts, **dq_cfg}
+    plan = (pre_grid, pre_kw, (triton.cdiv(n_k, dkdv_cfg["BLOCK_N"]), B * h_kv), dkdv_kw,
+            (triton.cdiv(n_q, dq_cfg["BLOCK_M"]), B * H), dq_kw, tuned)
+    if not world().gpu:
+        _DKDV.run(*args, dk, dv, scale, H, n_q, n_k, *strides, grid=plan[2], warmup=False, **dkdv_kw)
+        _DQ.run(*args, dq, scale, H, n_q, n_k, *strides, grid=plan[4], warmup=False, **dq_kw)
+    _plans[key] = plan
+    return dq, dk, dv
+
+
+class _Attention(torch.autograd.Function):
+    """What ``attention`` runs eagerly: ``FlashAttention`` with the lean launchers."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        o, lse = _forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        if torch.is_grad_enabled():
+            raise RuntimeError(NO_SECOND_DERIVATIVE)
+        return (*_backward(*ctx.saved_tensors, do, ctx.causal, ctx.scale), None, None)
+
+
+_PRE = attention_bwd_preprocess_kernel
+_DKDV = attention_bwd_dkdv_kernel.fn   # under triton.heuristics: the lean path passes EVEN_M itself
+_DQ = attention_bwd_dq_kernel
+
+
+# ---- the operator -------------------------------------------------------------------------------
+#
+# Why custom operators and not torch.library.wrap_triton: PyTorch's compiler (torch.compile, Dynamo)
+# cannot look inside this launcher (it reads data_ptr() to decide whether to copy, and the autotuner's
+# configs carry pre-hooks, which it refuses for user Triton kernels), and in Triton's interpreter a
+# wrapped kernel fails under the fake tensors that tracing uses ("Cannot access data pointer"). A custom
+# operator is opaque to the compiler: it traces the operator's fake implementation, which only says what
+# shapes, dtypes and layouts come out, and at run time calls the real one. So ``attention`` compiles with
+# ``fullgraph=True`` on a GPU and on the CPU alike, and the CPU time of each call is the lean launcher's.
+
+@torch.library.custom_op("kernelcourse::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` of FlashAttention for checked inputs (see ``attention``); ``sm_scale`` given."""
+    return _forward(q, k, v, causal, sm_scale)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, sm_scale):
+    B, H, n_q, _ = q.shape
+    o = _new_output(q, default_version(capability(q)))
+    return o, q.new_empty((B, H, n_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("kernelcourse::attention_bwd", mutates_args=())
+def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                  do: torch.Tensor, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from ``attention_fwd``'s inputs and outputs and the gradient ``do`` of ``o``."""
+    return _backward(q, k, v, o, lse, do, causal, sm_scale)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, o, lse, do, causal, sm_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, causal, sm_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.sm_scale = causal, sm_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_fwd_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(q, k, v, o, lse, do, ctx.causal, ctx.sm_scale)
+    return dq, dk, dv, None, None
+
+
+def _no_double_backward(ctx, ddq, ddk, ddv):
+    raise RuntimeError(NO_SECOND_DERIVATIVE)
+
+
+attention_fwd.register_autograd(_attention_fwd_backward, setup_context=_save_for_backward)
+attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+_ATTENTION_FWD = torch.ops.kernelcourse.attention_fwd.default
+
+
+def attention(q, k, v, causal: bool = False, sm_scale: float | None = None):
+    """Differentiable FlashAttention, ``softmax(q kᵀ · sm_scale) v`` (introduced in chapter 07).
+
+    ``q`` is (B, H, N_Q, d), ``k`` and ``v`` (B, H_KV, N_K, d) with H_KV dividing H (grouped-query attention:
+    query head h reads key head h // (H / H_KV); H_KV = H is ordinary multi-head attention). One floating
+    dtype (float16, bfloat16 or float32), on the course's device (``kc.world().device``), ``d`` a power of
+    two from 16 to 256, ``sm_scale`` > 0 (default 1/√d), ``causal`` top-left aligned. Raises
+    ``ValueError`` saying what is wrong with the input, once, here.
+
+    It runs the operator ``torch.ops.kernelcourse.attention_fwd`` (whose backward is
+    ``kernelcourse::attention_bwd``): the same kernels as ``FlashAttention``, launched by the lean
+    launchers, and a call ``torch.compile(fullgraph=True)`` traces without a graph break.
+    """
+    check_inputs(q, k, v, causal, sm_scale)
+    causal, scale = bool(causal), _scale(q, sm_scale)
+    if torch.compiler.is_compiling():            # traced: the operator, opaque to the compiler
+        return _ATTENTION_FWD(q, k, v, causal, scale)[0]
+    # Run eagerly, the operator's dispatch and autograd cost more CPU time than a short kernel takes on the
+    # GPU: call the same launchers through an autograd Function, or without one when no gradient is wanted.
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, causal, scale)
+    return _forward(q, k, v, causal, scale)[0]

@@ -276,7 +276,7 @@ class Block(nn.Module):
         qkv = _mm(y2d, self.w_qkv.to(dt), "qkv" in self.triton_matmuls and self.impl == "course")  # (B*N, 3d)
         q, k, v = qkv.view(B, N, 3, H, d // H).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, N, d/H), strided
         if self.impl == "course":
-            from .attention import attention
+            from .attention_backward import attention
 
             o = attention(q, k, v, causal=self.causal)
         else:

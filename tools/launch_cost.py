@@ -1,0 +1,81 @@
+"""What one call of the course's attention costs the CPU and the GPU, against SDPA's flash backend.
+
+    PYTHONPATH=src python tools/launch_cost.py            # on a CUDA GPU
+
+For each case, forward alone and forward + backward, in float16: the CPU's microseconds per call (300 calls
+issued back to back after a warm-up, no synchronisation: the time Python and the launches take), the GPU's
+microseconds per call (``kc.bench.gpu_time``: the calls replayed in a CUDA graph, no CPU work between them)
+and ``do_bench``'s milliseconds (a call as a program makes it: whichever of the two is longer shows).
+The course runs ``kc.attention_backward.attention`` (the lean launchers); SDPA runs under
+``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernelcourse as kc
+
+CASES = [((8, 12, 1024, 64), True), ((32, 16, 512, 64), False), ((16, 12, 256, 64), False),
+         ((4, 16, 4096, 64), True), ((4, 16, 4096, 64), False)]
+CALLS = 300
+
+
+def cpu_us(fn, calls: int = CALLS) -> float:
+    """CPU microseconds per call: calls issued back to back, the GPU not waited for (its queue is deep
+    enough for a few hundred launches; a synchronisation before starting empties it)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def sdpa_flash(q, k, v, causal):
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def calls(attend, q, k, v, do, causal):
+    """(forward, forward + backward) of one implementation, as functions of no argument."""
+    def fwd():
+        with torch.no_grad():
+            attend(q, k, v, causal)
+
+    def fwd_bwd():
+        torch.autograd.grad(attend(q, k, v, causal), (q, k, v), do)
+
+    return fwd, fwd_bwd
+
+
+def main():
+    w = kc.setup(quiet=True)
+    if not w.gpu:
+        raise SystemExit("launch_cost.py measures a GPU: run it on a machine with CUDA")
+    from kernelcourse.attention_backward import attention
+
+    impls = {"course": lambda q, k, v, causal: attention(q, k, v, causal=causal), "SDPA flash": sdpa_flash}
+    rows = []
+    for (B, H, N, d), causal in CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        for name, attend in impls.items():
+            for what, fn in zip(("fwd", "fwd+bwd"), calls(attend, q, k, v, do, causal)):
+                fn()                                     # compiles and tunes
+                rows.append({"case": f"({B},{H},{N},{d}){' causal' if causal else ''}", "pass": what, "impl": name,
+                             "cpu us": cpu_us(fn), "gpu us": kc.bench.gpu_time(fn) * 1e3,
+                             "do_bench ms": kc.bench.do_bench(fn)})
+    print(kc.bench.table(rows, {"case": "", "pass": "", "impl": "", "cpu us": ".0f", "gpu us": ".0f",
+                                "do_bench ms": ".3f"}))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {kc.world().versions.get('triton')}")
+
+
+if __name__ == "__main__":
+    main()
