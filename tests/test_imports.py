@@ -7,9 +7,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kernelcourse"
 
-# A cycle known and being removed elsewhere: attention.py imports attention_backward inside a function,
-# and attention_backward imports attention. Delete this constant once that edge is gone (the test says so).
-KNOWN_CYCLE_EDGE_TO_DELETE = ("kernelcourse.attention", "kernelcourse.attention_backward")
 
 
 def _modules() -> dict[str, Path]:
@@ -112,19 +109,9 @@ def test_the_import_graph_is_read_from_every_module():
 
 def test_no_import_cycles():
     graph = _edges(_modules())
-    a, b = KNOWN_CYCLE_EDGE_TO_DELETE
-    if b in graph[a]:
-        del graph[a][b]
     cycles = [_describe(c, graph) for c in _cycles(graph)]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
-
-def test_the_known_cycle_is_still_there():
-    """When this fails, the cycle is gone: delete KNOWN_CYCLE_EDGE_TO_DELETE and this test."""
-    graph = _edges(_modules())
-    a, b = KNOWN_CYCLE_EDGE_TO_DELETE
-    assert b in graph[a] and a in graph[b], (
-        f"{a} and {b} no longer import each other: delete KNOWN_CYCLE_EDGE_TO_DELETE and this test")
 
 
 # The package's layers, bottom first (the tour at the top of src/kernelcourse/__init__.py): a module

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .world import world
+from .world import device_capability, world
 
 __all__ = ["attention_ref", "causal_mask", "softmax_state", "online_softmax_merge", "online_softmax",
            "tiled_attention_ref", "flash_attention", "flash_attention_kernel", "attention_flops",
@@ -573,7 +573,7 @@ def _device_properties() -> dict:
 
 @functools.cache
 def _capability_of(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+    return device_capability(device_index)  # KC_MAX_CAPABILITY can make an H100 take an A100's paths
 
 
 def capability(t: torch.Tensor) -> tuple[int, int] | None:

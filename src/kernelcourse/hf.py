@@ -15,7 +15,7 @@ gets ``None`` (the kernel's own causal mask covers it) and a padded one gets a m
 ``attention_forward`` refuses with a ``ValueError``: the kernels take no mask tensor.
 
 Grouped-query attention: ``key`` and ``value`` arrive with ``H_kv`` heads, fewer than the query's ``H``;
-they go to ``kernelcourse.attention.attention`` as they are, and query head ``h`` reads key head
+they go to ``kernelcourse.attention_backward.attention`` as they are, and query head ``h`` reads key head
 ``h // (H // H_kv)``, with no copy of the keys per query head (``repeat_kv``).
 
 transformers is imported here only, when ``register()`` runs: the course's package does not need it.
@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 
 import torch
+
+from .attention_backward import attention
 
 NAME = "kernelcourse"
 
@@ -42,8 +44,6 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     there is more than one query; one query (a decoding step) attends to every key in the cache. Raises
     ``ValueError`` for anything the kernels cannot honour, saying what it got: never a silently wrong result.
     """
-    from .attention import attention
-
     if dropout:
         raise ValueError(f"kernelcourse attention got dropout={dropout}: its kernels have no dropout; "
                          f"set the model's attention_dropout to 0 ({SUPPORTS})")
