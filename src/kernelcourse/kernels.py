@@ -623,7 +623,7 @@ def group_norm_split(programs: int, n: int, BLOCK: int = 1024) -> int:
     programs per SM, else enough for about four programs per SM, at least a BLOCK of values per tile."""
     if not world().gpu:
         return 1
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multiprocessor_count
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return 1 if programs >= 2 * sms else max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(n, BLOCK)))
 
 
