@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, as_tuple, call, compare, exercise, guarded, tolerance_of
+from . import POISON, Report, as_tuple, call, compare, exercise, fresh_rng, guarded, tolerance_of
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
 _np = to_numpy
@@ -843,7 +843,13 @@ def _causal_cases(gpu: bool) -> list[tuple]:
 def grade_causal_kernel(report: Report, causal_attention_kernel):
     if (msg := not_a_kernel(causal_attention_kernel, "causal_attention_kernel")):
         return report.fail(msg)
-    for case in _causal_cases(world().gpu):
+    rng = fresh_rng(report)
+    # the statement's boundaries: a last query tile that holds one query (it starts at the last query), and
+    # N_K not a multiple of BLOCK_N; values drawn fresh on every run
+    half = "fp16" if world().gpu else "fp32"  # tl.dot on float32 is TF32 on a GPU
+    cases = _causal_cases(world().gpu) + [(1, 49, 49, 16, 16, 16, half, 1.0, 0), (1, 33, 53, 16, 32, 16, half, 3.0, 0)]
+    for case in cases:
+        case = (*case[:-1], int(rng.integers(1 << 30)))
         if not _grade_causal_case(report, causal_attention_kernel, case):
             return
 
@@ -858,6 +864,7 @@ def grade_causal_kernel(report: Report, causal_attention_kernel):
 SPEED_SHAPE = (16, 4096, 64)
 SPEED_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}   # fits a T4's 64 KB
 SPEEDUP_VS_V1 = 1.3
+CAUSAL_VS_FULL = 0.7  # the causal run's time over the same kernel's time with every key visible (see below)
 
 
 @exercise("06.8", "the causal kernel, graded on speed", names=("causal_attention_kernel",), time_limit_s=240)
@@ -905,3 +912,33 @@ def grade_causal_speed(report: Report, causal_attention_kernel):
         report.fail("skip the key tiles past min(q0 + BLOCK_M, N_K), which no query of the tile sees, and leave the "
                     "mask off the whole tiles below the diagonal: a kernel that computes every tile runs at about "
                     "the speed of version 1")
+    # Against the same kernel with every key visible, timed now: launched on 2N queries and N keys, queries
+    # N .. 2N - 1 see every key (no tile skipped, none masked), so that run's time minus the causal run's is
+    # the kernel's non-causal time on N queries. Skipping the upper triangle computes 2,080 of 4,096 tiles
+    # (0.51x of the work); CAUSAL_VS_FULL = 0.7 leaves room for the masked diagonal tiles and timing noise,
+    # while a kernel that computes every tile under a mask takes about 1x (and version 1's speed, which a
+    # faster inner loop can beat by 1.3x without skipping anything, does not enter).
+    from . import _median_ms
+
+    q2, o2 = torch.cat([q, q], dim=1), torch.empty(heads, 2 * n, d, device="cuda", dtype=torch.float16)
+    grid2 = (2 * n // SPEED_TILES["BLOCK_M"], heads)
+
+    def learner_full():
+        causal_attention_kernel[grid2](q2, k, v, o2, scale * LOG2E, q2.stride(0), k.stride(0), 2 * n, n, **meta)
+
+    what = f"the causal kernel at (heads, N, d) = {SPEED_SHAPE}, against its own run with every key visible"
+    causal_ms, both_ms = _median_ms(report, what, learner), _median_ms(report, what, learner_full)
+    if causal_ms is None or both_ms is None:
+        return
+    full_ms = both_ms - causal_ms
+    if full_ms <= 0:
+        return report.fail(f"{what}: {both_ms:.3f} ms for 2N queries, {causal_ms:.3f} ms for the causal N: a "
+                           "measurement error (the run with more work was not slower); run the grader again")
+    ratio = causal_ms / full_ms
+    report.expect(ratio <= CAUSAL_VS_FULL,
+                  f"{what}: causal {causal_ms:.3f} ms, every key {full_ms:.3f} ms: {ratio:.2f}x "
+                  f"(needs at most {CAUSAL_VS_FULL:g}x)",
+                  f"{what}: causal {causal_ms:.3f} ms, every key {full_ms:.3f} ms: {ratio:.2f}x, needs at most "
+                  f"{CAUSAL_VS_FULL:g}x: a causal run does about half the work; the key tiles past the diagonal "
+                  "must not be computed at all (masking them still costs their matmuls): loop over the keys "
+                  "up to min(q0 + BLOCK_M, N_K) only")
