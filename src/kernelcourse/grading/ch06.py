@@ -164,9 +164,10 @@ def grade_combine(report: Report, combine_splits):
     # (rows, d, chunk sizes, spread of the chunks' scores, a chunk of row 0 with every key masked)
     cases = [(3, 4, (5, 7), 0.5, None), (4, 8, (16, 1, 9), 300.0, None), (5, 16, (32, 32, 32, 5), 800.0, None),
              (3, 8, (10, 10, 10), 200.0, 1), (2, 4, (1,), 1.0, None)]
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for i, (rows, d, sizes, spread, empty) in enumerate(cases):
         for seed in (0, 1):
-            rng = np.random.default_rng(6100 + 10 * i + seed)
+            rng = np.random.default_rng(base + 10 * i + seed)
             outs, lses, truth_o, truth_lse = _split_case(rng, rows, d, sizes, spread, empty)
             o32, l32 = torch.tensor(outs, dtype=torch.float32), torch.tensor(lses, dtype=torch.float32)
             largest = np.max(np.abs(lses[np.isfinite(lses)]))
@@ -272,8 +273,9 @@ def _stats_mistakes(blocks):
 def grade_online_stats(report: Report, online_softmax_stats):
     import torch
 
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for seed in (0, 1, 2):
-        rng = np.random.default_rng(6200 + seed)
+        rng = np.random.default_rng(base + seed)
         for what, blocks in _stream_rows(rng):
             blocks = [np.asarray(b, dtype=np.float32) for b in blocks]
             what = f"{what}, seed {seed}"
@@ -463,8 +465,9 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         cases += [(4, 300, 1000, 64, 64, 64, "fp16", 30.0, 6), (2, 129, 257, 128, 64, 32, "fp16", 1.0, 7)]
         if torch.cuda.is_bf16_supported():
             cases.append((2, 100, 300, 64, 64, 64, "bf16", 30.0, 8))
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for heads, n_q, n_k, d, bm, bn, dtype, ls, seed in cases:
-        rng = np.random.default_rng(6400 + seed)
+        rng = np.random.default_rng(base + seed)
         q = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[0] for _ in range(heads)])
         k = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[1] for _ in range(heads)])
         v = np.stack([_rand(rng, (n_k, d)) for _ in range(heads)])
@@ -577,7 +580,7 @@ def _tiles(lo: int, hi: int, bn: int) -> list[int]:
 
 @exercise("06.5", "causal masking: which tiles", names=("causal_tile", "key_range"), time_limit_s=60)
 def grade_causal(report: Report, causal_tile, key_range):
-    rng = np.random.default_rng(65)
+    rng = fresh_rng(report)  # tiles and sizes drawn fresh on every run
     wrong_hints = [
         (lambda q0, k0, bm, bn: "skipped" if k0 >= q0 + bm - 1 else causal_tile_truth(q0, k0, bm, bn),
          "key q0 + block_m - 1 is seen by the last query: j <= i includes the diagonal, so a tile is skipped only "
@@ -678,8 +681,9 @@ def _state_rows(rng):
 def grade_lse(report: Report, lse_from_state, probs_from_lse):
     import torch
 
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for seed in (0, 1, 2):
-        rng = np.random.default_rng(6600 + seed)
+        rng = np.random.default_rng(base + seed)
         s, m2, l2 = _state_rows(rng)
         truth = m2 * LN2 + np.log(l2)   # exactly what the float32 state encodes, in float64
         what = f"{len(m2)} rows (scores from -1000 to 1000), seed {seed}"
@@ -705,7 +709,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
 
     # probs_from_lse: recompute one tile of P from q, k and the saved lse, as the backward pass does
     for i, (n_q, n_k, d, ls) in enumerate([(8, 16, 8, 1.0), (5, 33, 16, 300.0), (2, 7, 4, 1.0)]):
-        rng = np.random.default_rng(6650 + i)
+        rng = np.random.default_rng(base + 50 + i)
         q, k, _ = _attention_inputs(rng, n_q, n_k, d, ls)
         scale = 1.0 / math.sqrt(d)
         s = q @ k.T * scale
