@@ -632,11 +632,21 @@ def grade_function(report: Report, FlashAttentionFn):
             return report.fail(f"backward, {what}: q, k or v got no gradient: return (dq, dk, dv, None) from backward")
         per_head = [grads64(q[b, h], k[b, h], v[b, h], do[b, h], 1 / math.sqrt(d), causal)[:3]
                     for b in range(B) for h in range(H)]
+        # as in 07.3: dS = P ∘ (dP − D) cancels where a row of P is one-hot, so allow a few rounding steps of
+        # the terms that cancel, |dP| · |K| · sm_scale (for dK, summed over the queries that see a key)
+        sc, dp_max = 1 / math.sqrt(d), max(float(np.max(np.abs(do[b, h]) @ np.abs(v[b, h]).T))
+                                           for b in range(B) for h in range(H))
+        p_cols = max(float(np.max(grads64(q[b, h], k[b, h], v[b, h], do[b, h], sc, causal)[3]["p"].sum(axis=0)))
+                     for b in range(B) for h in range(H))
+        cancel = [16 * eps * dp_max * float(np.max(np.abs(k))) * sc,
+                  16 * eps * dp_max * float(np.max(np.abs(q))) * sc * p_cols, 0.0]
         for j, name in enumerate(("dq", "dk", "dv")):
             truth = np.stack([g[j] for g in per_head]).reshape(grads[j].shape)
             ref = np.stack([_torch_grads(q[b, h], k[b, h], v[b, h], do[b, h], 1 / math.sqrt(d), causal, dt, dev)[j]
                             for b in range(B) for h in range(H)]).reshape(truth.shape)
-            ok, line = compare(to_numpy(grads[j].float()), truth, ref, what=f"{name}, {what}", rtol_floor=floor)
+            rel = cancel[j] / max(float(np.max(np.abs(truth))), 1e-300) if dt == torch.float32 else 0.0
+            ok, line = compare(to_numpy(grads[j].float()), truth, ref, what=f"{name}, {what}",
+                               rtol_floor=max(floor, rel))
             if not ok:
                 hint = None
                 others = [np.stack([g[m] for g in per_head]).reshape(leaves[m].shape) for m in range(3) if m != j]
