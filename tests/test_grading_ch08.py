@@ -64,18 +64,17 @@ def make_dx_kernel(mistake=""):
 
 @triton.jit
 def dx_two_pass(x_ptr, dy_ptr, w_ptr, dx_ptr, n_cols, stride, eps, BLOCK: tl.constexpr):
-    # also right: the variance as E[x²] - mean² of the row shifted by its first element (without the shift,
-    # rows that share a large offset lose the variance to cancellation), the two sums in another order
+    # also right: the centred variance summed from x - mean with the padding masked once, and dX's two sums
+    # written out in another order (E[x²] - mean² is not: it loses the variance to cancellation)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(x_ptr + row * stride).to(tl.float32)
-    xs = tl.where(mask, x - shift, 0.0)
-    mean = tl.sum(xs, axis=0) / n_cols + shift
-    var = tl.sum(xs * xs, axis=0) / n_cols - (mean - shift) * (mean - shift)
+    mean = tl.sum(x, axis=0) / n_cols
+    xc = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(xc * xc, axis=0) / n_cols
     rstd = tl.rsqrt(var + eps)
     g = dy * w
     xhat = tl.where(mask, (x - mean) * rstd, 0.0)
