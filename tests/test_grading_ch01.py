@@ -298,3 +298,31 @@ def test_01_2_agrees_with_exact_rational_ceil():
     # an independent oracle: the ceiling of the exact fraction n / block, no integer trick, no float
     passed, text = grade("01.2", grid_size=lambda n, b: math.ceil(Fraction(n, b)))
     assert passed, text
+
+
+# ---- block sizes the statements do not show -------------------------------------------------------------
+
+
+@cuda.jit
+def add_block_128(x, y, out):  # the example's 128 threads a block written in, not read from cuda.blockDim
+    i = cuda.blockIdx.x * 128 + cuda.threadIdx.x
+    if i < out.size:
+        out[i] = x[i] + y[i]
+
+
+def test_01_1_rejects_a_block_size_of_its_own():
+    passed, text = grade("01.1", add_kernel=add_block_128)
+    assert not passed and "use cuda.blockDim.x (or cuda.grid(1))" in text, text
+
+
+@cuda.jit
+def matrix_add_block_16x8(a, b, c):  # the example's (16, 8) block written in
+    col = cuda.blockIdx.x * 16 + cuda.threadIdx.x
+    row = cuda.blockIdx.y * 8 + cuda.threadIdx.y
+    if row < c.shape[0] and col < c.shape[1]:
+        c[row, col] = a[row, col] + b[row, col]
+
+
+def test_01_4_rejects_a_block_shape_of_its_own():
+    passed, text = grade("01.4", matrix_add_kernel=matrix_add_block_16x8)
+    assert not passed and "not the (16, 8) of the example" in text, text

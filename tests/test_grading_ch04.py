@@ -642,3 +642,71 @@ def test_04_6_rejects_wrong(mistake, hint):
 def test_04_6_stub_fails():
     passed, text = grade("04.6", group_norm_silu_kernel=gn_stub)
     assert not passed and "stub" in text, text
+# ---- what the statements leave free: launch parameters, layouts, dtypes --------------------------------
+
+
+@triton.jit
+def gelu_fixed_block(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):  # 128 elements a program, whatever BLOCK is
+    offs = tl.program_id(0) * 128 + tl.arange(0, 128)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * scale
+    tl.store(y_ptr + offs, 0.5 * x * (1 + tl.erf(x * 0.7071067811865476)), mask=mask)
+
+
+def test_04_1_rejects_a_block_of_its_own():
+    passed, text = grade("04.1", scale_gelu_kernel=gelu_fixed_block)
+    assert not passed and "use the BLOCK the launch passes" in text, text
+
+
+@triton.jit
+def log_softmax_fixed_block(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, 1024)  # enough for every row the statement shows, not for every row
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    z = x - tl.max(x, axis=0)
+    y = z - tl.log(tl.sum(tl.exp(z), axis=0))
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
+def test_04_3_rejects_a_block_of_its_own():
+    passed, text = grade("04.3", log_softmax_kernel=log_softmax_fixed_block)
+    assert not passed and "use the BLOCK the launch passes" in text, text
+
+
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def rows_launcher(packed=False, out_dtype=None):
+    def rms_norm_rows(x, w, eps):
+        n_rows, n_cols = x.shape
+        y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)  # contiguous, whatever x is
+        BLOCK = triton.next_power_of_2(n_cols)
+        ROWS = max(1, 2048 // BLOCK)
+        _rows_kernel[(triton.cdiv(n_rows, ROWS),)](x, w, y, n_rows, n_cols, n_cols if packed else x.stride(0),
+                                                   y.stride(0), eps, BLOCK=BLOCK, ROWS=ROWS)
+        return y
+    return rms_norm_rows
+
+
+def test_04_5_accepts_a_strided_x():
+    passed, text = grade("04.5", rms_norm_rows=rows_launcher())
+    assert passed and "elements apart" in text, text
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (rows_launcher(packed=True), "the rows were read as if packed"),
+    (rows_launcher(out_dtype=torch.float32), "allocate y with x's dtype"),
+])
+def test_04_5_rejects_a_fixed_layout_or_dtype(fn, hint):
+    passed, text = grade("04.5", rms_norm_rows=fn)
+    assert not passed and hint in text, text

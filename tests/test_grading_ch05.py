@@ -10,7 +10,7 @@ import triton.language as tl
 import kernelcourse as kc
 from kernelcourse import kernels
 from kernelcourse.grading import ch05
-from tests.helpers import grade
+from tests.helpers import grade, memorised
 
 
 def address_case(kernel, hint):
@@ -58,6 +58,16 @@ def program_ok(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
 def program_ok_search(pid_m, pid_n, num_pid_m, num_pid_n, group_m):  # by brute force: also right
     return next(p for p in range(num_pid_m * num_pid_n)
                 if kernels.grouped_tile(p, num_pid_m, num_pid_n, group_m) == (pid_m, pid_n))
+
+
+def test_05_1_cases_are_fresh_every_run(monkeypatch):
+    """A table of one run's answers fails the next run: the grader adds grids drawn fresh."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    monkeypatch.delenv("KC_GRADE_SEED", raising=False)
+    recording, table = memorised(program_ok, default=-1)
+    assert grade("05.1", grouped_program=recording)[0]
+    passed, text = grade("05.1", grouped_program=table)
+    assert not passed and "KC_GRADE_SEED=" in text, text
 
 
 @pytest.mark.parametrize("fn", [program_ok, program_ok_search])
@@ -252,6 +262,48 @@ def mm_ok_wrapped(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk,
              mask=(om[:, None] < M) & (on[None, :] < N))
 
 
+@triton.jit
+def mm_unit_ak(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A's K stride taken as 1: right for a row-major A only
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def mm_unit_cn(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # C's column stride taken as 1: right for a row-major C only
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
 @pytest.mark.parametrize("kernel", [mm_ok, mm_ok_wrapped])
 def test_05_2_accepts_correct(kernel):
     passed, text = grade("05.2", matmul_kernel=kernel)
@@ -268,6 +320,8 @@ def test_05_2_accepts_correct(kernel):
     (mm_overwrites_acc, "add each step to the accumulator"),
     address_case(mm_no_store_mask, "past the end of `c_ptr`, outside every tensor the kernel was given (it has no mask)"),
     (mm_assumes_row_major_b, "check the strides"),
+    (mm_unit_ak, "A is column-major"),
+    (mm_unit_cn, "C is a transposed view"),
 ])
 def test_05_2_rejects_wrong(kernel, hint):
     passed, text = grade("05.2", matmul_kernel=kernel)
@@ -309,7 +363,10 @@ def linear_epilogues(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_a
         acc = tl.where(acc >= 0, acc, 0.01 * acc)
     elif EPILOGUE == "no_bias":
         acc = tl.where(acc >= 0, acc, 0.01 * acc)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    elif EPILOGUE == "unit_cn":  # the right epilogue, stored as if C's columns were always 1 element apart
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        acc = tl.where(acc >= 0, acc, 0.01 * acc)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * (1 if EPILOGUE == "unit_cn" else stride_cn)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -338,6 +395,7 @@ def test_05_3_accepts_correct(epilogue):
     ("act_then_bias", "add the bias before the activation"),
     ("bias_per_row", "one value per column"),
     ("no_bias", "load the bias"),
+    ("unit_cn", "here C is a transposed view"),
 ])
 def test_05_3_rejects_wrong(epilogue, hint):
     passed, text = grade("05.3", linear_leaky_relu_kernel=WithEpilogue(epilogue))

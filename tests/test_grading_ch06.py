@@ -618,3 +618,18 @@ def test_06_8_rejects_the_naive_kernel_on_a_gpu():
 def test_06_8_rejects_a_wrong_kernel_before_timing():
     passed, text = grade("06.8", causal_attention_kernel=CausalVariant(STRICT=True))
     assert not passed and "not j < i" in text, text
+
+
+@pytest.mark.skipif(not kc.world().gpu, reason="speed is graded on a GPU only")
+def test_06_8_compares_the_causal_run_with_the_same_kernels_run_over_every_key():
+    """Computing every key tile under a mask can clear 1.3x version 1 with a faster inner loop; against the same
+    kernel's own run with every key visible (about 1x for it, about 0.55x for a kernel that skips), it cannot."""
+    passed, text = grade("06.8", causal_attention_kernel=CausalVariant(NAIVE=True))
+    assert not passed and "must not be computed at all" in text, text
+    passed, text = grade("06.8", causal_attention_kernel=CausalVariant())
+    assert passed and "against its own run with every key visible" in text, text
+
+
+def test_06_7_probes_the_tile_that_starts_at_the_last_query():
+    passed, text = grade("06.7", causal_attention_kernel=CausalVariant())
+    assert passed and "N_Q=49, N_K=49, d=16, BLOCK_M=16" in text and "N_K=53" in text, text

@@ -71,6 +71,7 @@ def test_07_2_accepts_correct(fn):
     (lambda p, dp: dp.sum(dim=-1), d_ok, "multiply by P before summing"),
     (d_probs_ok, lambda o, do: do.sum(-1) * o.sum(-1), "not a product of sums"),
     (d_probs_ok, lambda o, do: do @ o.T, "the diagonal of dO Oᵀ"),
+    (d_probs_ok, lambda o, do: torch.diag(do @ o.T), "which needs no N_Q × N_Q intermediate"),
 ])
 def test_07_2_rejects_wrong(probs, fn, hint):
     passed, text = grade("07.2", delta_from_probs=probs, delta=fn)
@@ -181,7 +182,7 @@ def test_07_4_rejects_wrong(fn, hint):
 def test_07_4_rejects_a_tile_lse():
     passed, text = grade("07.4", tiled_attention_backward=tiled_tile_max)
     assert not passed
-    assert "dv" in text or "dq" in text, text
+    assert "a tile's own max or sum is not the row's" in text, text
 
 
 # ---- 07.5 the dK/dV kernel --------------------------------------------------------------------------
@@ -400,7 +401,35 @@ class FnForgetsCausal(FnOk):
         return (*flash_attention_backward(q, k, v, o, lse, do, causal=False), None)
 
 
-@pytest.mark.parametrize("fn", [FnOk, FnRecompute])
+class FnOOnCtx(torch.autograd.Function):  # right numbers, but o on ctx: o -> grad_fn -> ctx -> o, a cycle
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, lse = flash_attention(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, lse)
+        ctx.o, ctx.causal = o, causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, lse = ctx.saved_tensors
+        return (*flash_attention_backward(q, k, v, ctx.o, lse, do, causal=ctx.causal), None)
+
+
+class FnLseOnCtx(FnOk):  # also correct: the lse, made inside forward and no part of the graph, kept on ctx
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, lse = flash_attention(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, o)
+        ctx.lse, ctx.causal = lse, causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o = ctx.saved_tensors
+        return (*flash_attention_backward(q, k, v, o, ctx.lse, do, causal=ctx.causal), None)
+
+
+@pytest.mark.parametrize("fn", [FnOk, FnRecompute, FnLseOnCtx])
 def test_07_7_accepts_correct(fn):
     passed, text = grade("07.7", FlashAttentionFn=fn)
     assert passed, text
@@ -410,7 +439,8 @@ def test_07_7_accepts_correct(fn):
     (FnSavesP, "as large as the N_Q × N_K probabilities"),
     (FnPOnCtx, "as large as the N_Q × N_K probabilities"),
     (FnForgetsCausal, "keep it on ctx"),
-    (FnSwapped, "dk"),
+    (FnSwapped, "in the order of forward's inputs: (dq, dk, dv, None)"),
+    (FnOOnCtx, "a reference cycle"),
     (lambda q, k, v, causal: None, "torch.autograd.Function"),
 ])
 def test_07_7_rejects_wrong(fn, hint):

@@ -45,10 +45,10 @@ def _oob_hint(exc: Exception) -> str:
 def grade_add_kernel(report: Report, add_kernel):
     if (msg := _is_kernel(add_kernel)):
         return report.fail(f"add_kernel {msg}")
-    block = 128
+    rng = fresh_rng(report)  # values, and block sizes no statement shows, drawn fresh on every run
     for n in sizes([1, 1000, 4099], [1 << 20 | 3]):
         for seed in (0, 1):
-            rng = np.random.default_rng(1000 * n + seed)
+            block = 128 if seed == 0 else int(rng.choice([32, 64, 256]))
             x, y = _rand(rng, n), _rand(rng, n)
             grid = (n + block - 1) // block
             what = f"n={n}, seed {seed} (grid {grid} x block {block})"
@@ -64,6 +64,11 @@ def grade_add_kernel(report: Report, add_kernel):
             if n > block and written[:block].all() and not written[block:].any():
                 report.fail(f"{what}: only elements 0-{block - 1} were written: every block wrote the same "
                             "elements; the global index is cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x")
+                return
+            if not written.all() and block != 128:
+                report.fail(f"{what}: {int((~written).sum())} of {n} elements never written: the grader launches "
+                            f"blocks of {block} threads here; use cuda.blockDim.x (or cuda.grid(1)), not the 128 of "
+                            "the example")
                 return
             truth = x.astype(np.float64) + y.astype(np.float64)
             passed, line = compare(out, truth, x + y, what=what)
@@ -125,8 +130,8 @@ def grade_axpy(report: Report, axpy_kernel):
 
     # (n, grid, block): fewer threads than elements, more threads than elements, exactly one wave.
     cases = [(1000, 2, 32), (10, 4, 32), (4099, 3, 64)] + ([(1 << 20 | 5, 132, 256)] if world().gpu else [])
+    rng = fresh_rng(report)  # a and the values drawn fresh on every run
     for n, grid, block in cases:
-        rng = np.random.default_rng(n)
         a = np.float32(rng.uniform(0.5, 2.0))
         # |a * x| >= 0.25 while |y| <= 1e3 * a few: every update visibly changes y
         x = (rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n)).astype(np.float32)
@@ -175,10 +180,11 @@ def grade_axpy(report: Report, axpy_kernel):
 def grade_matrix_add(report: Report, matrix_add_kernel):
     if (msg := _is_kernel(matrix_add_kernel)):
         return report.fail(f"matrix_add_kernel {msg}")
-    block = (16, 8)  # 16 threads along x (columns), 8 along y (rows)
+    rng = fresh_rng(report)  # values, and block shapes no statement shows, drawn fresh on every run
     shapes = [(1, 1), (37, 53), (8, 130), (130, 8)] + ([(1000, 1003)] if world().gpu else [])
-    for rows, cols in shapes:
-        rng = np.random.default_rng(rows * 7919 + cols)
+    for i, (rows, cols) in enumerate(shapes):
+        # 16 threads along x (columns), 8 along y (rows); then other shapes of block
+        block = (16, 8) if i < 2 else [(8, 16), (32, 4), (4, 32)][int(rng.integers(3))]
         a, b = _rand(rng, (rows, cols)), _rand(rng, (rows, cols))
         grid = ((cols + block[0] - 1) // block[0], (rows + block[1] - 1) // block[1])
         what = f"{rows}x{cols} matrix, grid {grid} x block {block}"
@@ -193,7 +199,10 @@ def grade_matrix_add(report: Report, matrix_add_kernel):
             return
         truth = a.astype(np.float64) + b.astype(np.float64)
         passed, line = compare(out, truth, a + b, what=what)
-        if not passed and "never written" in line and rows != cols:
+        if not passed and "never written" in line and block != (16, 8):
+            line += (f": the grader launches blocks of {block} threads here; use cuda.grid(2) (or cuda.blockDim), "
+                     "not the (16, 8) of the example")
+        elif not passed and "never written" in line and rows != cols:
             line += (": check both bounds, row < rows and col < cols, and that x (the fast index) runs along "
                      "columns and y along rows: col, row = cuda.grid(2)")
         if not report.expect(passed, line, line):

@@ -245,8 +245,9 @@ def grade_min_time(report: Report, min_time_ms):
 @exercise("02.8", "fraction of the roofline reached", names=("fraction_of_roofline",), time_limit_s=10)
 def grade_fraction(report: Report, fraction_of_roofline):
     rng = fresh_rng(report)
-    cases = _gpu_cases(rng, 4)
-    for case, frac in zip(cases, rng.uniform(0.3, 0.95, len(cases))):
+    cases = _gpu_cases(rng, 5)
+    # the last case is an impossible timing, faster than the roof: its fraction is above 1, and must say so
+    for case, frac in zip(cases, [*rng.uniform(0.3, 0.95, len(cases) - 1), rng.uniform(1.2, 2.0)]):
         c = case["flops"] / (case["peak_tflops"] * 1e12)
         m = case["nbytes"] / (case["bandwidth_gbps"] * 1e9)
         case["ms"] = round(max(c, m) * 1e3 / float(frac), 6)
@@ -272,6 +273,9 @@ def grade_fraction(report: Report, fraction_of_roofline):
             (a / roof * 1e-3, "ms is milliseconds: the time in seconds is ms × 1e-3"),
             (a / roof * 1e3, "ms is milliseconds: the time in seconds is ms × 1e-3"),
             (a / min(peak_tflops, i * bandwidth_gbps), "intensity × GB/s gives GFLOP/s: divide by 1000 for TFLOP/s"),
+            (min(1.0, a / roof), "this timing is faster than the roof allows, a measurement error: return the "
+                                 "fraction as it is (above 1), so that the error shows; clamped at 1 it reads as a "
+                                 "perfect kernel"),
         ]
 
     _grade_number(report, fraction_of_roofline, "fraction_of_roofline", cases, truth, mutants, "of the roof",

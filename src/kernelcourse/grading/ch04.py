@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, compare, exercise, explain
+from . import POISON, Report, compare, exercise, explain, fresh_rng
 
 # The Triton grading harness (``harness``), re-exported here for the graders that import it from ch04.
 from .harness import (  # noqa: F401
@@ -44,11 +44,13 @@ def grade_scale_gelu(report: Report, scale_gelu_kernel):
 
     if (msg := not_a_kernel(scale_gelu_kernel, "scale_gelu_kernel")):
         return report.fail(msg)
-    cases = sizes([(1000, 256, "fp32"), (1, 128, "fp32"), (4099, 1024, "fp32"), (1000, 256, "fp16")],
+    run_rng = fresh_rng(report)  # values, and a size and a BLOCK no statement shows, drawn fresh on every run
+    cases = sizes([(1000, 256, "fp32"), (1, 128, "fp32"), (4099, 1024, "fp32"), (1000, 256, "fp16"),
+                   (int(run_rng.integers(300, 3000)), int(run_rng.choice([64, 512])), "fp32")],
                   [((1 << 20) + 3, 1024, "fp32"), ((1 << 20) + 3, 1024, "fp16")])
     for n, block, dtype in cases:
         for seed in (0, 1):
-            rng = np.random.default_rng(7919 * n + seed)
+            rng = run_rng
             scale = float(rng.uniform(0.5, 2.0))
             x_full, x = framed(rand(rng, n), dtype, NAN)
             y_full, y = framed(np.full(n, POISON), dtype, POISON)
@@ -70,6 +72,9 @@ def grade_scale_gelu(report: Report, scale_gelu_kernel):
             passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
             if not passed and "never written" in line and not written[n - 1] and written[: n - 1].all():
                 line += ": the last element is missing; the mask is offs < n"
+            elif not passed and "never written" in line:
+                line += (f": program pid covers the BLOCK elements from pid * BLOCK; use the BLOCK the launch passes "
+                         f"(here {block}: the grader varies it), not a number of your own")
             elif not passed and "never written" not in line:
                 tol = tolerance(truth, reference, got.dtype)
                 hint = diagnose(got, [
@@ -99,11 +104,13 @@ def grade_add_bias(report: Report, add_bias_kernel):
     if (msg := not_a_kernel(add_bias_kernel, "add_bias_kernel")):
         return report.fail(msg)
     # (rows, cols, BLOCK_M, BLOCK_N, dtype): rows != cols, neither a multiple of its block
+    rng = fresh_rng(report)  # values, and a shape and blocks no statement shows, drawn fresh on every run
     cases = sizes([(1, 1, 16, 16, "fp32"), (37, 53, 16, 32, "fp32"), (20, 130, 8, 64, "fp16"),
-                   (70, 9, 32, 16, "fp32")],
+                   (70, 9, 32, 16, "fp32"),
+                   (int(rng.integers(2, 90)), int(rng.integers(2, 90)), int(rng.choice([4, 8, 64])),
+                    int(rng.choice([4, 16, 128])), "fp32")],
                   [(1000, 1003, 32, 64, "fp32"), (1000, 1003, 64, 128, "fp16")])
     for rows, cols, bm, bn, dtype in cases:
-        rng = np.random.default_rng(rows * 131 + cols)
         pad_x, pad_y = 5, 3  # the two row strides differ from cols, and from each other
         x_full, x = framed(rand(rng, (rows, cols)), dtype, NAN, pad_rows=bm, pad_cols=pad_x + bn)
         b_full, b = framed(rand(rng, cols), dtype, NAN)
@@ -172,11 +179,14 @@ def grade_log_softmax(report: Report, log_softmax_kernel):
 
     if (msg := not_a_kernel(log_softmax_kernel, "log_softmax_kernel")):
         return report.fail(msg)
-    cases = sizes([(1, 1, "fp32"), (7, 37, "fp32"), (4, 1000, "fp32"), (7, 37, "fp16")],
-                  [(64, 4099, "fp32"), (64, 4099, "fp16")])
-    for rows, cols, dtype in cases:
-        rng = np.random.default_rng(rows * 1009 + cols)
-        block = triton.next_power_of_2(cols)
+    rng = fresh_rng(report)
+    # (rows, cols, dtype, BLOCK wider than needed): one row longer than 1024 (a kernel that ignores BLOCK for a
+    # number of its own shows), and a BLOCK twice the next power of two (the padding is the kernel's to mask)
+    cases = sizes([(1, 1, "fp32", False), (7, 37, "fp32", False), (4, 1000, "fp32", False), (7, 37, "fp16", False),
+                   (3, int(rng.integers(1030, 1500)), "fp32", False), (5, int(rng.integers(20, 200)), "fp32", True)],
+                  [(64, 4099, "fp32", False), (64, 4099, "fp16", False)])
+    for rows, cols, dtype, wide in cases:
+        block = triton.next_power_of_2(cols) * (2 if wide else 1)
         data = _softmax_rows(rng, rows, cols)
         if dtype == "fp16":
             data = np.clip(data, -6e4, 6e4)
@@ -220,6 +230,9 @@ def grade_log_softmax(report: Report, log_softmax_kernel):
         passed, line = compare_rows(got, truth, reference, what, mistakes, nonfinite=(
             "exp() overflows for large inputs (above 88 in float32): subtract the row max before tl.exp; and mask "
             "the load, so that NaN from past the row cannot get in"))
+        if not passed and "never written" in line:
+            line += (f": one program covers a whole row with tl.arange(0, BLOCK); use the BLOCK the launch passes "
+                     f"(here {block}: the grader varies it), not a number of your own")
         if not report.expect(passed, line, line):
             return
 
@@ -240,11 +253,13 @@ def grade_rms_norm(report: Report, rms_norm_kernel):
     if (msg := not_a_kernel(rms_norm_kernel, "rms_norm_kernel")):
         return report.fail(msg)
     eps = 1e-5
-    cases = sizes([(1, 1, "fp32"), (6, 100, "fp32"), (3, 1000, "fp32"), (6, 100, "fp16")],
-                  [(64, 4099, "fp32"), (64, 4099, "fp16")])
-    for rows, cols, dtype in cases:
-        rng = np.random.default_rng(rows * 7 + cols)
-        block = triton.next_power_of_2(cols)
+    rng = fresh_rng(report)
+    # (rows, cols, dtype, BLOCK wider than needed), as in 04.3
+    cases = sizes([(1, 1, "fp32", False), (6, 100, "fp32", False), (3, 1000, "fp32", False), (6, 100, "fp16", False),
+                   (3, int(rng.integers(1030, 1500)), "fp32", False), (4, int(rng.integers(20, 200)), "fp32", True)],
+                  [(64, 4099, "fp32", False), (64, 4099, "fp16", False)])
+    for rows, cols, dtype, wide in cases:
+        block = triton.next_power_of_2(cols) * (2 if wide else 1)
         data = rand(rng, (rows, cols))
         data[0] *= 2e-3  # tiny values: eps matters here
         if rows > 2:
@@ -287,6 +302,9 @@ def grade_rms_norm(report: Report, rms_norm_kernel):
         passed, line = compare_rows(got, truth, reference, what, mistakes, nonfinite=(
             "x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32)); and mask "
             "the load, so that NaN from past the row cannot get in"))
+        if not passed and "never written" in line:
+            line += (f": one program covers a whole row with tl.arange(0, BLOCK); use the BLOCK the launch passes "
+                     f"(here {block}: the grader varies it), not a number of your own")
         if not report.expect(passed, line, line):
             return
 
@@ -306,15 +324,26 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
                            "returns y, not the kernel itself")
     eps = 1e-5
     dev = "cuda" if world().gpu else "cpu"
-    cases = sizes([(1, 1, "fp32"), (37, 128, "fp32"), (130, 64, "fp16"), (19, 100, "fp16"), (5, 700, "fp32")],
-                  [(100_003, 128, "fp16"), (4099, 96, "fp32")])
-    for rows, cols, dtype in cases:
-        rng = np.random.default_rng(rows * 13 + cols)
+    rng = fresh_rng(report)
+    # (rows, cols, dtype, x's rows further apart than n_cols): x is sometimes a view into a wider tensor (the
+    # heads of a fused projection), whose rows are stride_x apart
+    cases = sizes([(1, 1, "fp32", False), (37, 128, "fp32", False), (130, 64, "fp16", False), (19, 100, "fp16", False),
+                   (5, 700, "fp32", False), (int(rng.integers(20, 140)), 64, "fp16", True),
+                   (int(rng.integers(3, 40)), int(rng.integers(2, 300)), "fp32", True)],
+                  [(100_003, 128, "fp16", False), (4099, 96, "fp32", False), (30_001, 128, "fp16", True)])
+    for rows, cols, dtype, strided in cases:
         data = rand(rng, (rows, cols))
         data[0] *= 2e-3  # tiny values: eps matters here
-        x = torch.from_numpy(data).to(torch_dtype(dtype)).to(dev)
+        if rows > 2:
+            data[2] *= 300.0  # x * x overflows float16 (above 65504): statistics belong in float32
+        if strided:
+            wide = torch.from_numpy(rand(rng, (rows, 3 * cols))).to(torch_dtype(dtype)).to(dev)
+            x = wide[:, cols:2 * cols]  # the middle third of each row, like k out of a fused qkv
+            x.copy_(torch.from_numpy(data).to(x.dtype))
+        else:
+            x = torch.from_numpy(data).to(torch_dtype(dtype)).to(dev)
         w = torch.from_numpy(rng.uniform(0.5, 2.0, cols) * rng.choice([-1.0, 1.0], cols)).to(x.dtype).to(dev)
-        what = f"{rows}x{cols} {dtype}"
+        what = f"{rows}x{cols} {dtype}" + (f", rows {x.stride(0)} elements apart" if strided else "")
         try:
             y = rms_norm_rows(x, w, eps)
             if world().gpu:
@@ -323,12 +352,25 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
             return report.fail(f"{what}: {explain(exc)}")
         if not isinstance(y, torch.Tensor):
             return report.fail(f"{what}: rms_norm_rows returned {type(y).__name__}, not the tensor y")
+        if y.dtype != x.dtype:
+            return report.fail(f"{what}: y is {y.dtype}, x is {x.dtype}: allocate y with x's dtype "
+                               "(torch.empty_like(x)); the statistics are float32 inside the kernel only")
         xs, ws = exact(x), exact(w)
         truth = rms_norm64(xs, ws, eps)
         xr = x.float()
         reference = host((xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype))
         got = host(y)
-        passed, line = compare_rows(got, truth, reference, what)
+        if got.shape == truth.shape and strided and np.isfinite(got).all():
+            flat = exact(wide).ravel()  # the rows a kernel reading x as packed (row stride n_cols) gets
+            packed = flat[cols + np.arange(rows)[:, None] * cols + np.arange(cols)[None, :]]
+            wrong = rms_norm64(packed, ws, eps)
+            if not compare_rows(got, truth, reference, what)[0] and \
+                    np.abs(got.astype(np.float64) - wrong).max() < np.abs(got.astype(np.float64) - truth).max():
+                return report.fail(f"{what}: the rows were read as if packed, n_cols apart: here x is a view "
+                                   f"whose rows are x.stride(0) = {x.stride(0)} elements apart; pass x.stride(0) "
+                                   "as stride_x and address row r at x_ptr + r * stride_x")
+        passed, line = compare_rows(got, truth, reference, what, nonfinite=(
+            "x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32))"))
         if not passed and got.shape == truth.shape:
             done = np.isclose(got.astype(np.float64), truth, rtol=1e-2, atol=1e-3).all(axis=1)
             if done.any() and not done.all():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, call, compare, exercise, explain
+from . import POISON, Report, call, compare, exercise, explain, fresh_rng
 from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
                    nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance)
 
@@ -33,6 +33,8 @@ def grade_grouped_program(report: Report, grouped_program):
 
     # (num_pid_m, num_pid_n, group_m): square, a short last group, group taller than the grid, one row
     cases = [(4, 4, 2), (5, 3, 2), (7, 5, 3), (8, 8, 8), (3, 9, 4), (1, 6, 8), (6, 1, 4), (10, 7, 4)]
+    rng = fresh_rng(report)  # and grids no statement shows, drawn fresh on every run
+    cases += [(int(rng.integers(1, 13)), int(rng.integers(1, 13)), int(rng.integers(1, 9))) for _ in range(3)]
     mistakes = [(_row_major, "that is row-major order: in grouped order, programs walk down a group of group_m "
                              "tile rows, one column after another, before moving to the next group"),
                 (_full_groups_only, "the last group can be shorter: it has min(num_pid_m - first_pid_m, group_m) "
@@ -81,8 +83,9 @@ def matmul_reference(a, b) -> np.ndarray:
     return host(a @ b).astype(np.float64)
 
 
-def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed):
-    """A (M, K) and B (K, N) inside frames wide enough for a whole block past every edge.
+def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed, a_column_major=False):
+    """A (M, K) and B (K, N) inside frames wide enough for a whole block past every edge; with
+    ``a_column_major``, A is the transpose of a row-major (K, M) tensor (stride_am = 1).
 
     Past K the frame is NaN: a K step that reads there without a mask brings NaN into C. Past M and N
     it is finite: reading there only changes rows and columns of C that the masked store drops.
@@ -97,7 +100,7 @@ def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed):
             full[data.shape[0]:, :] = float("nan")
         return view
 
-    a = place(rand(rng, (M, K)), 1, (bm, bk + 3))
+    a = place(rand(rng, (K, M)), 0, (bk, bm + 3)).t() if a_column_major else place(rand(rng, (M, K)), 1, (bm, bk + 3))
     if b_transposed:  # B is the transpose of a row-major (N, K) tensor: stride_bk = 1
         b = place(rand(rng, (N, K)), 1, (bn, bk + 3)).t()
     else:
@@ -127,31 +130,56 @@ def _k_mistakes(A, B, K, bk):
 def grade_matmul(report: Report, matmul_kernel):
     if (msg := not_a_kernel(matmul_kernel, "matmul_kernel")):
         return report.fail(msg)
-    # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, dtype, B transposed): K is rarely a multiple of BLOCK_K
-    cases = sizes([(16, 16, 16, 16, 16, 16, "fp32", False), (37, 53, 45, 16, 32, 16, "fp16", False),
-                   (64, 70, 100, 32, 32, 32, "fp32", True), (20, 33, 130, 16, 16, 64, "fp16", False)],
-                  [(1000, 1003, 517, 64, 64, 32, "fp16", False), (257, 300, 200, 32, 64, 32, "fp32", True)])
-    for M, N, K, bm, bn, bk, dtype, bt in cases:
-        rng = np.random.default_rng(M * 7 + N * 11 + K)
-        a, b = _operands(rng, M, N, K, bm, bn, bk, dtype, bt)
-        c_full, c = framed(np.full((M, N), POISON), dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
+    rng = fresh_rng(report)
+    blocks = [int(rng.choice([16, 32, 64])) for _ in range(3)]  # tiles no statement shows, drawn on each run
+    # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, dtype, B transposed, layout of A and C): K is rarely a multiple of
+    # BLOCK_K; A is sometimes column-major (stride_ak is not 1), C sometimes transposed (stride_cn is not 1)
+    cases = sizes([(16, 16, 16, 16, 16, 16, "fp32", False, ""), (37, 53, 45, 16, 32, 16, "fp16", False, ""),
+                   (64, 70, 100, 32, 32, 32, "fp32", True, ""), (20, 33, 130, 16, 16, 64, "fp16", False, ""),
+                   (29, 41, 37, 16, 16, 16, "fp32", False, "A column-major"),
+                   (33, 19, 50, 16, 32, 16, "fp16", True, "C transposed"),
+                   (int(rng.integers(20, 90)), int(rng.integers(20, 90)), int(rng.integers(20, 150)), *blocks, "fp32",
+                    bool(rng.integers(2)), str(rng.choice(["", "A column-major", "C transposed"])))],
+                  [(1000, 1003, 517, 64, 64, 32, "fp16", False, ""), (257, 300, 200, 32, 64, 32, "fp32", True, ""),
+                   (513, 260, 300, 64, 32, 32, "fp16", False, "A column-major"),
+                   (300, 513, 260, 32, 64, 64, "fp16", True, "C transposed")])
+    for M, N, K, bm, bn, bk, dtype, bt, layout in cases:
+        a, b = _operands(rng, M, N, K, bm, bn, bk, dtype, bt, a_column_major=layout == "A column-major")
+        if layout == "C transposed":  # C is the transpose of a row-major (N, M) tensor: stride_cm = 1
+            c_full, c = framed(np.full((N, M), POISON), dtype, POISON, pad_rows=bn, pad_cols=bm + 3)
+            c = c.t()
+        else:
+            c_full, c = framed(np.full((M, N), POISON), dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
         grid = (-(-M // bm), -(-N // bn))
-        what = (f"({M}x{K}) @ ({K}x{N}) {dtype}{', B transposed' if bt else ''}, "
+        what = (f"({M}x{K}) @ ({K}x{N}) {dtype}{', B transposed' if bt else ''}{', ' + layout if layout else ''}, "
                 f"BLOCK_M/N/K = {bm}/{bn}/{bk}")
         if not launch(report, what, matmul_kernel, grid, a, b, c, M, N, K, a.stride(0), a.stride(1),
                       b.stride(0), b.stride(1), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk):
             return
-        if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
+        inside = data_mask(c_full.shape, N, M) if layout == "C transposed" else data_mask(c_full.shape, M, N)
+        if outside_writes(POISON, c_full, inside):
             return report.fail(f"{what}: wrote outside C: mask the store with offs_m[:, None] < M and "
-                               "offs_n[None, :] < N, and use stride_cm and stride_cn for C")
+                               "offs_n[None, :] < N, and use stride_cm and stride_cn for C" +
+                               (f" (here C is a transposed view, stride_cm = {c.stride(0)}, stride_cn = {c.stride(1)}: "
+                                "never assume a stride of 1)" if layout == "C transposed" else ""))
         got, A, B = host(c), exact(a), exact(b)
         if nothing_written(got):
             return report.fail(f"{what}: {STUB}")
         truth = A @ B
         reference = matmul_reference(a, b)
         passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+        layout_hint = {"A column-major": f"here A is column-major (stride_am = {a.stride(0)}, stride_ak = "
+                                         f"{a.stride(1)}): address A as offs_m * stride_am + offs_k * stride_ak, "
+                                         "and never assume a stride of 1",
+                       "C transposed": f"here C is a transposed view (stride_cm = {c.stride(0)}, stride_cn = "
+                                       f"{c.stride(1)}): store at offs_m * stride_cm + offs_n * stride_cn, and "
+                                       "never assume a stride of 1"}.get(layout)
+        if not passed and "never written" in line and layout_hint:
+            line += f": {layout_hint}"
         if not passed and "never written" not in line and "stub" not in line:
             hint = diagnose(got, _k_mistakes(A, B, K, bk), tolerance(truth, reference, got.dtype))
+            if hint is None and layout_hint:
+                hint = layout_hint
             if hint is None and np.isnan(got.astype(np.float64)).any():
                 hint = (("the last K step reads past K (NaN is what lies past the data here): mask the loads with "
                          "offs_k < K - k * BLOCK_K and other=0.0") if K % bk else
@@ -180,20 +208,36 @@ def grade_epilogue(report: Report, linear_leaky_relu_kernel):
 
     if (msg := not_a_kernel(linear_leaky_relu_kernel, "linear_leaky_relu_kernel")):
         return report.fail(msg)
-    cases = sizes([(37, 53, 45, 16, 32, 16, "fp32"), (20, 70, 50, 16, 32, 16, "fp16"), (64, 40, 32, 32, 16, 32, "fp32")],
-                  [(1000, 1003, 517, 64, 64, 32, "fp16"), (257, 300, 200, 32, 64, 32, "fp32")])
-    for M, N, K, bm, bn, bk, dtype in cases:
-        rng = np.random.default_rng(M * 5 + N * 3 + K)
-        a, w = _operands(rng, M, N, K, bm, bn, bk, dtype, False)
+    rng = fresh_rng(report)
+    blocks = [int(rng.choice([16, 32, 64])) for _ in range(3)]  # tiles no statement shows, drawn on each run
+    # the last fields: A column-major (stride_ak is not 1) or C transposed (stride_cn is not 1)
+    cases = sizes([(37, 53, 45, 16, 32, 16, "fp32", ""), (20, 70, 50, 16, 32, 16, "fp16", ""),
+                   (64, 40, 32, 32, 16, 32, "fp32", ""), (30, 45, 40, 16, 16, 16, "fp32", "A column-major"),
+                   (45, 30, 40, 16, 16, 32, "fp16", "C transposed"),
+                   (int(rng.integers(20, 90)), int(rng.integers(20, 90)), int(rng.integers(20, 150)), *blocks, "fp32",
+                    str(rng.choice(["", "A column-major", "C transposed"])))],
+                  [(1000, 1003, 517, 64, 64, 32, "fp16", ""), (257, 300, 200, 32, 64, 32, "fp32", ""),
+                   (513, 260, 300, 64, 32, 32, "fp16", "A column-major"), (300, 513, 260, 32, 64, 64, "fp16", "C transposed")])
+    for M, N, K, bm, bn, bk, dtype, layout in cases:
+        a, w = _operands(rng, M, N, K, bm, bn, bk, dtype, False, a_column_major=layout == "A column-major")
         bias_full, bias = framed(rand(rng, N) * 3.0, dtype, NAN)
-        c_full, c = framed(np.full((M, N), POISON), dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
+        if layout == "C transposed":  # C is the transpose of a row-major (N, M) tensor: stride_cm = 1
+            c_full, c = framed(np.full((N, M), POISON), dtype, POISON, pad_rows=bn, pad_cols=bm + 3)
+            c = c.t()
+        else:
+            c_full, c = framed(np.full((M, N), POISON), dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
         grid = (-(-M // bm), -(-N // bn))
-        what = f"({M}x{K}) @ ({K}x{N}) + bias, {dtype}, BLOCK_M/N/K = {bm}/{bn}/{bk}"
+        what = f"({M}x{K}) @ ({K}x{N}) + bias, {dtype}{', ' + layout if layout else ''}, BLOCK_M/N/K = {bm}/{bn}/{bk}"
+        stride_hint = (f" (here A is column-major: stride_am = {a.stride(0)}, stride_ak = {a.stride(1)}; never assume "
+                       "a stride of 1)" if layout == "A column-major" else
+                       f" (here C is a transposed view: stride_cm = {c.stride(0)}, stride_cn = {c.stride(1)}; never "
+                       "assume a stride of 1)" if layout == "C transposed" else "")
         if not launch(report, what, linear_leaky_relu_kernel, grid, a, w, bias, c, M, N, K, a.stride(0), a.stride(1),
                       w.stride(0), w.stride(1), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk):
             return
-        if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
-            return report.fail(f"{what}: wrote outside C: keep the masked store the exercise gives")
+        inside = data_mask(c_full.shape, N, M) if layout == "C transposed" else data_mask(c_full.shape, M, N)
+        if outside_writes(POISON, c_full, inside):
+            return report.fail(f"{what}: wrote outside C: keep the masked store the exercise gives{stride_hint}")
         got, A, W, bs = host(c), exact(a), exact(w), exact(bias)
         mm = A @ W
         truth = leaky64(mm + bs[None, :])
@@ -214,8 +258,12 @@ def grade_epilogue(report: Report, linear_leaky_relu_kernel):
             if hint is None and np.isnan(got.astype(np.float64)).any():
                 hint = ("NaN came from past the end of the bias: it has N values, one per column; load it at offs_n "
                         "with the mask offs_n < N")
+            if hint is None and stride_hint:
+                hint = "use the strides the launch passes" + stride_hint
             if hint:
                 line += f": {hint}"
+        elif not passed and stride_hint:
+            line += ": use the strides the launch passes" + stride_hint
         if not report.expect(passed, line, line):
             return
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..world import world
 from .harness import (HALF_POISON, LN2, LOG2E, NAN, POISON, Report, as_tuple, call, compare, compare_returned,
-                      exact_f32, exercise, guarded, tolerance_of)
+                      exact_f32, exercise, fresh_rng, guarded, tolerance_of)
 from .attention64 import attention64, causal_from_zero, tiled64
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
@@ -107,9 +107,10 @@ def grade_combine(report: Report, combine_splits):
     # (rows, d, chunk sizes, spread of the chunks' scores, a chunk of row 0 with every key masked)
     cases = [(3, 4, (5, 7), 0.5, None), (4, 8, (16, 1, 9), 300.0, None), (5, 16, (32, 32, 32, 5), 800.0, None),
              (3, 8, (10, 10, 10), 200.0, 1), (2, 4, (1,), 1.0, None)]
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for i, (rows, d, sizes, spread, empty) in enumerate(cases):
         for seed in (0, 1):
-            rng = np.random.default_rng(6100 + 10 * i + seed)
+            rng = np.random.default_rng(base + 10 * i + seed)
             outs, lses, truth_o, truth_lse = _split_case(rng, rows, d, sizes, spread, empty)
             o32, l32 = torch.tensor(outs, dtype=torch.float32), torch.tensor(lses, dtype=torch.float32)
             largest = np.max(np.abs(lses[np.isfinite(lses)]))
@@ -210,8 +211,9 @@ def _stats_mistakes(blocks):
 def grade_online_stats(report: Report, online_softmax_stats):
     import torch
 
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for seed in (0, 1, 2):
-        rng = np.random.default_rng(6200 + seed)
+        rng = np.random.default_rng(base + seed)
         for what, blocks in _stream_rows(rng):
             blocks = [np.asarray(b, dtype=np.float32) for b in blocks]
             what = f"{what}, seed {seed}"
@@ -391,8 +393,9 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         cases += [(4, 300, 1000, 64, 64, 64, "fp16", 30.0, 6), (2, 129, 257, 128, 64, 32, "fp16", 1.0, 7)]
         if torch.cuda.is_bf16_supported():
             cases.append((2, 100, 300, 64, 64, 64, "bf16", 30.0, 8))
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for heads, n_q, n_k, d, bm, bn, dtype, ls, seed in cases:
-        rng = np.random.default_rng(6400 + seed)
+        rng = np.random.default_rng(base + seed)
         q = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[0] for _ in range(heads)])
         k = np.stack([_attention_inputs(rng, n_q, n_k, d, ls)[1] for _ in range(heads)])
         v = np.stack([_rand(rng, (n_k, d)) for _ in range(heads)])
@@ -505,7 +508,7 @@ def _tiles(lo: int, hi: int, bn: int) -> list[int]:
 
 @exercise("06.5", "causal masking: which tiles", names=("causal_tile", "key_range"), time_limit_s=60)
 def grade_causal(report: Report, causal_tile, key_range):
-    rng = np.random.default_rng(65)
+    rng = fresh_rng(report)  # tiles and sizes drawn fresh on every run
     wrong_hints = [
         (lambda q0, k0, bm, bn: "skipped" if k0 >= q0 + bm - 1 else causal_tile_truth(q0, k0, bm, bn),
          "key q0 + block_m - 1 is seen by the last query: j <= i includes the diagonal, so a tile is skipped only "
@@ -606,8 +609,9 @@ def _state_rows(rng):
 def grade_lse(report: Report, lse_from_state, probs_from_lse):
     import torch
 
+    base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for seed in (0, 1, 2):
-        rng = np.random.default_rng(6600 + seed)
+        rng = np.random.default_rng(base + seed)
         s, m2, l2 = _state_rows(rng)
         truth = m2 * LN2 + np.log(l2)   # exactly what the float32 state encodes, in float64
         what = f"{len(m2)} rows (scores from -1000 to 1000), seed {seed}"
@@ -633,7 +637,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
 
     # probs_from_lse: recompute one tile of P from q, k and the saved lse, as the backward pass does
     for i, (n_q, n_k, d, ls) in enumerate([(8, 16, 8, 1.0), (5, 33, 16, 300.0), (2, 7, 4, 1.0)]):
-        rng = np.random.default_rng(6650 + i)
+        rng = np.random.default_rng(base + 50 + i)
         q, k, _ = _attention_inputs(rng, n_q, n_k, d, ls)
         scale = 1.0 / math.sqrt(d)
         s = q @ k.T * scale
@@ -772,7 +776,13 @@ def _causal_cases(gpu: bool) -> list[tuple]:
 def grade_causal_kernel(report: Report, causal_attention_kernel):
     if (msg := not_a_kernel(causal_attention_kernel, "causal_attention_kernel")):
         return report.fail(msg)
-    for case in _causal_cases(world().gpu):
+    rng = fresh_rng(report)
+    # the statement's boundaries: a last query tile that holds one query (it starts at the last query), and
+    # N_K not a multiple of BLOCK_N; values drawn fresh on every run
+    half = "fp16" if world().gpu else "fp32"  # tl.dot on float32 is TF32 on a GPU
+    cases = _causal_cases(world().gpu) + [(1, 49, 49, 16, 16, 16, half, 1.0, 0), (1, 33, 53, 16, 32, 16, half, 3.0, 0)]
+    for case in cases:
+        case = (*case[:-1], int(rng.integers(1 << 30)))
         if not _grade_causal_case(report, causal_attention_kernel, case):
             return
 
@@ -787,6 +797,7 @@ def grade_causal_kernel(report: Report, causal_attention_kernel):
 SPEED_SHAPE = (16, 4096, 64)
 SPEED_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}   # fits a T4's 64 KB
 SPEEDUP_VS_V1 = 1.3
+CAUSAL_VS_FULL = 0.7  # the causal run's time over the same kernel's time with every key visible (see below)
 
 
 @exercise("06.8", "the causal kernel, graded on speed", names=("causal_attention_kernel",), time_limit_s=240)
@@ -834,3 +845,33 @@ def grade_causal_speed(report: Report, causal_attention_kernel):
         report.fail("skip the key tiles past min(q0 + BLOCK_M, N_K), which no query of the tile sees, and leave the "
                     "mask off the whole tiles below the diagonal: a kernel that computes every tile runs at about "
                     "the speed of version 1")
+    # Against the same kernel with every key visible, timed now: launched on 2N queries and N keys, queries
+    # N .. 2N - 1 see every key (no tile skipped, none masked), so that run's time minus the causal run's is
+    # the kernel's non-causal time on N queries. Skipping the upper triangle computes 2,080 of 4,096 tiles
+    # (0.51x of the work); CAUSAL_VS_FULL = 0.7 leaves room for the masked diagonal tiles and timing noise,
+    # while a kernel that computes every tile under a mask takes about 1x (and version 1's speed, which a
+    # faster inner loop can beat by 1.3x without skipping anything, does not enter).
+    from . import _median_ms
+
+    q2, o2 = torch.cat([q, q], dim=1), torch.empty(heads, 2 * n, d, device="cuda", dtype=torch.float16)
+    grid2 = (2 * n // SPEED_TILES["BLOCK_M"], heads)
+
+    def learner_full():
+        causal_attention_kernel[grid2](q2, k, v, o2, scale * LOG2E, q2.stride(0), k.stride(0), 2 * n, n, **meta)
+
+    what = f"the causal kernel at (heads, N, d) = {SPEED_SHAPE}, against its own run with every key visible"
+    causal_ms, both_ms = _median_ms(report, what, learner), _median_ms(report, what, learner_full)
+    if causal_ms is None or both_ms is None:
+        return
+    full_ms = both_ms - causal_ms
+    if full_ms <= 0:
+        return report.fail(f"{what}: {both_ms:.3f} ms for 2N queries, {causal_ms:.3f} ms for the causal N: a "
+                           "measurement error (the run with more work was not slower); run the grader again")
+    ratio = causal_ms / full_ms
+    report.expect(ratio <= CAUSAL_VS_FULL,
+                  f"{what}: causal {causal_ms:.3f} ms, every key {full_ms:.3f} ms: {ratio:.2f}x "
+                  f"(needs at most {CAUSAL_VS_FULL:g}x)",
+                  f"{what}: causal {causal_ms:.3f} ms, every key {full_ms:.3f} ms: {ratio:.2f}x, needs at most "
+                  f"{CAUSAL_VS_FULL:g}x: a causal run does about half the work; the key tiles past the diagonal "
+                  "must not be computed at all (masking them still costs their matmuls): loop over the keys "
+                  "up to min(q0 + BLOCK_M, N_K) only")

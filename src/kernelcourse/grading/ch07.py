@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from ..world import world
-from . import POISON, Report, as_tuple, compare, exercise, guarded, speed_vs_peer
+from . import POISON, Report, as_tuple, compare, exercise, fresh_rng, guarded, speed_vs_peer
 from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
 from .attention64 import grads64, unmasked_grads64
 from .harness import HALF_POISON, LOG2E, NAN, compare_returned, diagnose, exact_f32, explain, framed, rand, reproduces
@@ -89,8 +89,8 @@ def _head(rng, n_q, n_k, d, logit_scale):
 def grade_softmax_backward(report: Report, softmax_backward):
     import torch
 
+    rng = fresh_rng(report)  # values drawn fresh on every run: a table of one run's answers passes nothing
     for i, (rows, n, spread) in enumerate([(4, 7, 1.0), (6, 33, 10.0), (3, 100, 300.0), (1, 1, 1.0), (5, 64, 3.0)]):
-        rng = np.random.default_rng(7100 + i)
         s = _rand(rng, (rows, n), spread)
         p = _exact32(np.exp(s - s.max(axis=1, keepdims=True)) / np.exp(s - s.max(axis=1, keepdims=True)).sum(1, keepdims=True))
         dp = _rand(rng, (rows, n), 2.0)
@@ -104,7 +104,9 @@ def grade_softmax_backward(report: Report, softmax_backward):
             return
         if got is None:
             return report.fail("softmax_backward returned None: did you forget `return`?")
-        ok, line = _check(got, truth, ref, what, floor=8 * 1.2e-7)
+        # dS = P ∘ (dP − D) cancels where P is one-hot: a few rounding steps of the terms P ∘ dP that cancel
+        terms = float(np.max(np.abs(p * dp))) / max(float(np.max(np.abs(truth))), 1e-300)
+        ok, line = _check(got, truth, ref, what, floor=8 * 1.2e-7 * max(1.0, terms))
         if not ok:
             mistakes = [
                 ("softmax couples each row: dS = P ∘ (dP − D), with D = rowsum(P ∘ dP) subtracted from every dP of "
@@ -127,8 +129,11 @@ def grade_softmax_backward(report: Report, softmax_backward):
 def grade_delta(report: Report, delta_from_probs, delta):
     import torch
 
-    for i, (n_q, n_k, d, ls) in enumerate([(5, 9, 4, 1.0), (16, 40, 16, 10.0), (7, 3, 8, 300.0), (1, 20, 8, 1.0)]):
-        rng = np.random.default_rng(7200 + i)
+    rng = fresh_rng(report)  # values drawn fresh on every run: a table of one run's answers passes nothing
+    # the last case has many more queries than head dims: an N_Q × N_Q intermediate there is far larger than
+    # any input, and the grader records the shape of every tensor delta() makes
+    for i, (n_q, n_k, d, ls) in enumerate([(5, 9, 4, 1.0), (16, 40, 16, 10.0), (7, 3, 8, 300.0), (1, 20, 8, 1.0),
+                                           (int(rng.integers(200, 320)), 24, 8, 1.0)]):
         q, k, v, do = _head(rng, n_q, n_k, d, ls)
         *_, x = grads64(q, k, v, do, 1 / math.sqrt(d))
         p, dp, o = _exact32(x["p"]), _exact32(x["dp"]), _exact32(x["o"])
@@ -150,12 +155,17 @@ def grade_delta(report: Report, delta_from_probs, delta):
             return _fail(report, line, _diagnose(got, mistakes, truth))
         # from O and dO: the same numbers, without P
         truth = (do * o).sum(axis=1)
-        got = guarded(report, f"delta, {what}", delta, t(o), t(do))
+        made = guarded(report, f"delta, {what}", largest_made, delta, t(o), t(do))
         if report.failures > before:
             return
+        got, numel, shape = made
         if got is not None and tuple(np.shape(to_numpy(got))) == (n_q, n_q):
             return report.fail(f"delta, {what}: returned a ({n_q}, {n_q}) matrix: D is one number per row, "
                                "rowsum(dO ∘ O), the diagonal of dO Oᵀ without computing the rest")
+        if n_q > d and numel >= n_q * n_q:
+            return report.fail(f"delta, {what}: a tensor of shape {shape} was made, as large as the N_Q × N_Q "
+                               "product dO Oᵀ: D is only its diagonal, rowsum(dO ∘ O), which needs no N_Q × N_Q "
+                               "intermediate (torch.diag(do @ o.T) computes all of it to keep N_Q numbers)")
         ref = to_numpy((t(o) * t(do)).sum(dim=1)).astype(np.float64)
         ok, line = _check(got, truth, ref, f"delta, {what}", floor=16 * 1.2e-7)
         if not ok:
@@ -191,8 +201,15 @@ def _check_grads(report, got, q, k, v, do, scale, causal, what, floor, ref=None)
     names = ("dq", "dk", "dv")
     truth = grads64(q, k, v, do, scale, causal)[:3]
     ref = ref or _torch_grads(q, k, v, do, scale, causal)
+    # dS = P ∘ (dP − D) cancels where a row of P is one-hot (scores of ±1000), and so does every float32
+    # backward: allow a few rounding steps of the terms that cancel, |dP| · |K| · sm_scale (for dK, summed
+    # over the queries that see a key)
+    p, dp = grads64(q, k, v, do, scale, causal)[3]["p"], np.abs(do) @ np.abs(v).T
+    cancel = [16 * 1.2e-7 * float(np.max(dp)) * float(np.max(np.abs(k))) * scale,
+              16 * 1.2e-7 * float(np.max(dp)) * float(np.max(np.abs(q))) * scale * float(np.max(p.sum(axis=0))), 0.0]
     for i, name in enumerate(names):
-        ok, line = _check(got[i], truth[i], ref[i], f"{name}, {what}", floor)
+        rel = cancel[i] / max(float(np.max(np.abs(truth[i]))), 1e-300) if truth[i].size else 0.0
+        ok, line = _check(got[i], truth[i], ref[i], f"{name}, {what}", max(floor, rel))
         if not ok:
             hint = _diagnose(got[i], _grads_mistakes(q, k, v, do, scale, causal, i), truth[i])
             if hint is None and name == "dv" and _matches(got[i], grads64(q, k, v, do, scale, causal)[3]["p"].T @ do * scale, truth[i]):
@@ -208,8 +225,8 @@ def grade_attention_backward(report: Report, attention_backward):
 
     cases = [(8, 8, 4, False, 1.0), (13, 29, 16, False, 3.0), (29, 13, 8, False, 1.0), (16, 40, 16, False, 300.0),
              (20, 20, 8, True, 1.0), (12, 30, 16, True, 3.0), (30, 12, 8, True, 1.0), (1, 9, 4, False, 1.0)]
+    rng = fresh_rng(report)  # values drawn fresh on every run: a table of one run's answers passes nothing
     for i, (n_q, n_k, d, causal, ls) in enumerate(cases):
-        rng = np.random.default_rng(7300 + i)
         q, k, v, do = _head(rng, n_q, n_k, d, ls)
         scale = 1 / math.sqrt(d)
         what = f"N_Q={n_q}, N_K={n_k}, d={d}{', causal' if causal else ''}{', scores of ±1000' if ls > 100 else ''}"
@@ -237,8 +254,8 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
     cases = [(32, 32, 8, 16, 16, False, 1.0), (37, 70, 16, 16, 32, False, 3.0), (70, 37, 8, 32, 16, False, 1.0),
              (40, 50, 16, 16, 16, False, 300.0), (48, 48, 8, 16, 16, True, 1.0), (45, 70, 8, 16, 32, True, 3.0),
              (70, 45, 16, 32, 16, True, 1.0), (1, 23, 8, 16, 8, False, 1.0)]
+    rng = fresh_rng(report)  # values drawn fresh on every run: a table of one run's answers passes nothing
     for i, (n_q, n_k, d, bm, bn, causal, ls) in enumerate(cases):
-        rng = np.random.default_rng(7400 + i)
         q, k, v, do = _head(rng, n_q, n_k, d, ls)
         scale = 1 / math.sqrt(d)
         *_, x = grads64(q, k, v, do, scale, causal)
@@ -260,8 +277,15 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
         s = q @ k.T * scale
         p_nolse = np.exp(s - s.max(axis=1, keepdims=True)) if not causal else None
         if p_nolse is not None:
-            dv_tile_norm = p_nolse.T @ do      # P without the lse: exp(S - max), not divided by the row sum
-            if _matches(got[2], dv_tile_norm, truth[2]):
+            def lse_of(block):
+                mb = block.max(axis=1, keepdims=True)
+                return mb + np.log(np.exp(block - mb).sum(axis=1, keepdims=True))
+
+            own = np.concatenate([np.exp(s[:, j:j + bn] - lse_of(s[:, j:j + bn])) for j in range(0, n_k, bn)], axis=1)
+            tile_lse = [p_nolse.T @ do,                         # exp(S - max), not divided by the row sum
+                        own.T @ do,                             # each key tile normalised by its own sum
+                        np.exp(s - lse_of(s[:, :bn])).T @ do]   # the lse of the first key tile only
+            if any(_matches(got[2], dv_wrong, truth[2]) for dv_wrong in tile_lse):
                 return report.fail(f"dv, {what}: P = exp(S − lse) with the saved lse, which holds the max and the "
                                    "row sum: a tile's own max or sum is not the row's")
         if causal:  # P = exp(S - lse) left unmasked: the lse leaves the masked keys out, exp(S - lse) does not
@@ -269,7 +293,17 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
             if any(_matches(g, u, t) for g, u, t in zip(got, unmasked, truth)):
                 return report.fail(f"{what}: the gradients include keys after their query: with causal=True, set P to "
                                    "0 where key j > query i (the lse leaves those keys out, but exp(S − lse) does not)")
-        if not _check_grads(report, got, q, k, v, do, scale, causal, what, _floor(q, k, scale, 1.2e-7)):
+        # the tolerance's reference: the same recomputation, P = exp(S − lse) from the float32 lse, done by
+        # PyTorch in float32 (scores of ±1000 cost it about eps · max|s|, more than the naive softmax's error)
+        tq, tk, tv, tdo, tl = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v, do, lse))
+        p32 = torch.exp(tq @ tk.T * scale - tl[:, None])
+        if causal:
+            p32 = p32.masked_fill(~torch.ones_like(p32, dtype=torch.bool).tril(), 0.0)
+        ds32 = p32 * (tdo @ tv.T - (tdo * torch.tensor(o, dtype=torch.float32)).sum(-1, keepdim=True))
+        ref = [to_numpy(r).astype(np.float64) for r in (ds32 @ tk * scale, ds32.T @ tq * scale, p32.T @ tdo)]
+        ref = [r if np.max(np.abs(r - t)) > np.max(np.abs(n - t)) else n
+               for r, n, t in zip(ref, _torch_grads(q, k, v, do, scale, causal), truth)]
+        if not _check_grads(report, got, q, k, v, do, scale, causal, what, _floor(q, k, scale, 1.2e-7), ref):
             return
         if n_q * n_k > max(n_q, n_k) * max(bm, bn, d) and numel >= n_q * n_k:
             return report.fail(f"{what}: a tensor of shape {shape} was made: as large as the whole N_Q × N_K "
@@ -304,8 +338,8 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         cases += [(4, 300, 1000, 64, 32, 64, "fp16", 30.0), (2, 1000, 257, 128, 16, 32, "fp16", 1.0)]
         if torch.cuda.is_bf16_supported():
             cases.append((2, 200, 300, 64, 32, 64, "bf16", 30.0))
+    rng = fresh_rng(report)  # values drawn fresh on every run: a table of one run's answers passes nothing
     for i, (heads, n_q, n_k, d, bm, bn, dtype, ls) in enumerate(cases):
-        rng = np.random.default_rng(7500 + i)
         dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         heads_in = [_head(rng, n_q, n_k, d, ls) for _ in range(heads)]
         # what the kernel is given, rounded to its dtype: the truth is computed from exactly these
@@ -362,11 +396,16 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
                    ("the epilogue already multiplies dK by sm_scale: do not scale it in the loop too",
                     dk_t * scale)],
         }
+        # as in 07.3: dSᵀ cancels where a row of P is one-hot; a few rounding steps of the terms that cancel
+        cancel_dk = 16 * eps * max(float(np.max(np.abs(do[h]) @ np.abs(v[h]).T)) * float(np.max(np.abs(q[h]))) *
+                                   float(np.max(np.exp(q[h] @ k[h].T * scale - lse[h][:, None]).sum(axis=0)))
+                                   for h in range(heads)) * scale
         for name, got_t, truth, r in (("dv", tdv, dv_t, ref[1]), ("dk", tdk, dk_t, ref[0])):
             got = to_numpy(got_t.float() if dtype != "fp32" else got_t)
             if (got == 0).all():
                 return report.fail(f"{what}: {name} is all zeros: is the loop body still a stub?")
-            ok, line = compare(got, truth, r, what=f"{name}, {what}", rtol_floor=floor)
+            rel = cancel_dk / max(float(np.max(np.abs(truth))), 1e-300) if name == "dk" and dtype == "fp32" else 0.0
+            ok, line = compare(got, truth, r, what=f"{name}, {what}", rtol_floor=max(floor, rel))
             if not ok:
                 hint = _diagnose(got, mistakes_of[name], truth)
                 if hint is None and not np.isfinite(got).all():
@@ -428,7 +467,9 @@ def _qtiles(m_start, m_full, bm, n_q):
 @exercise("07.6", "causal masking: which query tiles a key tile needs", names=("query_range",), time_limit_s=60)
 def grade_query_range(report: Report, query_range):
     cases = []
-    for bm, bn in ((64, 64), (128, 64), (64, 128), (32, 16), (16, 32), (3, 4), (5, 2), (1, 1), (48, 32)):
+    rng = fresh_rng(report)  # and tile sizes no statement shows, drawn fresh on every run
+    drawn = [(int(rng.integers(2, 97)), int(rng.integers(2, 97))) for _ in range(3)]
+    for bm, bn in ((64, 64), (128, 64), (64, 128), (32, 16), (16, 32), (3, 4), (5, 2), (1, 1), (48, 32), *drawn):
         for n_q in (1, 7, bm, 3 * bm + 5, 200, 1000):
             for start_n in range(0, 9):
                 cases.append((start_n, bm, bn, n_q))
@@ -490,8 +531,8 @@ def grade_function(report: Report, FlashAttentionFn):
              (2, 1, 33, 33, 16, False, 300.0)]
     if gpu:
         cases += [(2, 4, 300, 1000, 64, True, 1.0), (1, 2, 1000, 257, 128, False, 30.0)]
+    rng = fresh_rng(report)  # values drawn fresh on every run: a table of one run's answers passes nothing
     for i, (B, H, n_q, n_k, d, causal, ls) in enumerate(cases):
-        rng = np.random.default_rng(7700 + i)
         heads = [_head(rng, n_q, n_k, d, ls) for _ in range(B * H)]
         q, k, v, do = (np.stack([h[j] for h in heads]).reshape(B, H, -1, d) for j in range(4))
         leaves = [torch.tensor(a, device=dev).to(dt).requires_grad_() for a in (q, k, v)]
@@ -510,12 +551,29 @@ def grade_function(report: Report, FlashAttentionFn):
             return report.fail(f"forward, {what}: the output has no grad_fn: call FlashAttentionFn.apply(q, k, v, causal)")
         o_truth = np.stack([grads64(q[b, h], k[b, h], v[b, h], do[b, h], 1 / math.sqrt(d), causal)[3]["o"]
                             for b in range(B) for h in range(H)]).reshape(B, H, n_q, d)
-        ok, line = compare(to_numpy(out.float()), o_truth, None, what=f"o, {what}", rtol_floor=64 * float(torch.finfo(dt).eps))
+        eps = float(torch.finfo(dt).eps)
+        # in float32, scores of ±1000 cost o about eps · max|s| (the exponent's rounding), in every head
+        floor = max(_floor(q[b, h], k[b, h], 1 / math.sqrt(d), eps) for b in range(B) for h in range(H)) \
+            if dt == torch.float32 else 8 * eps
+        ok, line = compare(to_numpy(out.float()), o_truth, None, what=f"o, {what}", rtol_floor=max(64 * eps, floor))
         if not ok:
             return _fail(report, line, "the forward returns o from flash_attention(q, k, v, causal=causal)")
         # what the forward kept for the backward: saved tensors and tensors stored on ctx
         kept = list(getattr(out.grad_fn, "saved_tensors", ()))
-        kept += [t for t in vars(out.grad_fn).values() if isinstance(t, torch.Tensor)] if hasattr(out.grad_fn, "__dict__") else []
+        on_ctx = {n: t for n, t in vars(out.grad_fn).items() if isinstance(t, torch.Tensor)} \
+            if hasattr(out.grad_fn, "__dict__") else {}
+        kept += list(on_ctx.values())
+        for name, t in on_ctx.items():
+            if t is out or (t.data_ptr() == out.data_ptr() and t.numel() and t.shape == out.shape):
+                return report.fail(
+                    f"forward, {what}: it keeps its output on ctx (ctx.{name} = o): o holds its grad_fn, whose ctx "
+                    f"holds o, a reference cycle that only the garbage collector frees, so every step's activations "
+                    f"pile up; save the tensors the backward needs with ctx.save_for_backward(q, k, v, o, lse)")
+            if t.requires_grad:
+                return report.fail(
+                    f"forward, {what}: it keeps an input on ctx (ctx.{name}): tensors the backward needs go through "
+                    f"ctx.save_for_backward(...), which checks that they were not changed in place before the "
+                    f"backward runs and frees them with the graph")
         for t in kept:
             if t.numel() >= B * H * n_q * n_k and t.numel() > B * H * max(n_q, n_k) * d:
                 return report.fail(f"forward, {what}: it keeps a tensor of shape {tuple(t.shape)}, as large as the "
@@ -528,13 +586,21 @@ def grade_function(report: Report, FlashAttentionFn):
             return report.fail(f"backward, {what}: q, k or v got no gradient: return (dq, dk, dv, None) from backward")
         per_head = [grads64(q[b, h], k[b, h], v[b, h], do[b, h], 1 / math.sqrt(d), causal)[:3]
                     for b in range(B) for h in range(H)]
-        eps = float(torch.finfo(dt).eps)
+        # as in 07.3: dS = P ∘ (dP − D) cancels where a row of P is one-hot, so allow a few rounding steps of
+        # the terms that cancel, |dP| · |K| · sm_scale (for dK, summed over the queries that see a key)
+        sc, dp_max = 1 / math.sqrt(d), max(float(np.max(np.abs(do[b, h]) @ np.abs(v[b, h]).T))
+                                           for b in range(B) for h in range(H))
+        p_cols = max(float(np.max(grads64(q[b, h], k[b, h], v[b, h], do[b, h], sc, causal)[3]["p"].sum(axis=0)))
+                     for b in range(B) for h in range(H))
+        cancel = [16 * eps * dp_max * float(np.max(np.abs(k))) * sc,
+                  16 * eps * dp_max * float(np.max(np.abs(q))) * sc * p_cols, 0.0]
         for j, name in enumerate(("dq", "dk", "dv")):
             truth = np.stack([g[j] for g in per_head]).reshape(grads[j].shape)
             ref = np.stack([_torch_grads(q[b, h], k[b, h], v[b, h], do[b, h], 1 / math.sqrt(d), causal, dt, dev)[j]
                             for b in range(B) for h in range(H)]).reshape(truth.shape)
-            floor = _floor(q[0, 0], k[0, 0], 1 / math.sqrt(d), eps) if dt == torch.float32 else 8 * eps
-            ok, line = compare(to_numpy(grads[j].float()), truth, ref, what=f"{name}, {what}", rtol_floor=floor)
+            rel = cancel[j] / max(float(np.max(np.abs(truth))), 1e-300) if dt == torch.float32 else 0.0
+            ok, line = compare(to_numpy(grads[j].float()), truth, ref, what=f"{name}, {what}",
+                               rtol_floor=max(floor, rel))
             if not ok:
                 hint = None
                 others = [np.stack([g[m] for g in per_head]).reshape(leaves[m].shape) for m in range(3) if m != j]

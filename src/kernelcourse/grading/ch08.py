@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
-from ..world import world
-from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, number, speed_vs_peer
-from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
-                   nothing_written, outside_writes, rand, sizes, tolerance)
+from ..world import low_precision_dtype, world
+from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, fresh_rng, number, speed_vs_peer
+from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, in_float32, launch, not_a_kernel,
+                   nothing_written, outside_writes, rand, rounding_floor, sizes, speed_vs_peers, tolerance)
 
 EPS = 1e-5
 
@@ -66,21 +66,29 @@ def _dx_mistakes(x, w, dy, block):
 
 
 @exercise("08.1", "LayerNorm backward: dX row by row", names=("layer_norm_dx_kernel",))
+@in_float32
 def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
     if (msg := not_a_kernel(layer_norm_dx_kernel, "layer_norm_dx_kernel")):
         return report.fail(msg)
-    for rows, cols in sizes([(5, 37), (3, 128), (4, 200)], [(513, 768), (64, 3000)]):
-        block = 1 << (cols - 1).bit_length()
+    rng = fresh_rng(report)
+    # float16 rows share a large offset: their sum in float16 loses the digits that x - mean keeps, so a
+    # kernel that computes the statistics in 16 bits is visibly wrong; BLOCK is sometimes wider than needed
+    for rows, cols, dtype, wide in sizes([(5, 37, "fp32", False), (3, 128, "fp32", True), (4, 200, "fp32", False),
+                                          (4, int(rng.integers(40, 100)), "fp16", False)],
+                                         [(513, 768, "fp32", False), (64, 3000, "fp32", False), (64, 1000, "fp16", True)]):
+        block = (1 << (cols - 1).bit_length()) * (2 if wide else 1)
         for seed in (0, 1):
-            rng = np.random.default_rng(1000 * rows + cols + seed)
-            x64 = rand(rng, (rows, cols)) + rng.uniform(-2, 2, (rows, 1))  # rows with a mean far from 0
+            if dtype == "fp16":  # one offset of about 300 for all rows, spread 1: the row sums need float32
+                x64 = rand(rng, (rows, cols), (1.0,)) + rng.uniform(250, 350) * rng.choice([-1, 1])
+            else:
+                x64 = rand(rng, (rows, cols)) + rng.uniform(-2, 2, (rows, 1))  # rows with a mean far from 0
             w64 = rng.uniform(0.5, 1.5, cols)
             dy64 = rand(rng, (rows, cols))
-            x_full, x = framed(x64, "fp32", PAD, pad_rows=1, pad_cols=3)
-            dy_full, dy = framed(dy64, "fp32", PAD, pad_rows=1, pad_cols=3)
-            _, w = framed(w64, "fp32", NAN)
-            dx_full, dx = framed(np.full((rows, cols), POISON), "fp32", POISON, pad_rows=1, pad_cols=3)
-            what = f"{rows} x {cols}, seed {seed}"
+            x_full, x = framed(x64, dtype, PAD, pad_rows=1, pad_cols=3)
+            dy_full, dy = framed(dy64, dtype, PAD, pad_rows=1, pad_cols=3)
+            _, w = framed(w64, dtype, NAN)
+            dx_full, dx = framed(np.full((rows, cols), POISON), dtype, POISON, pad_rows=1, pad_cols=3)
+            what = f"{rows} x {cols} {dtype}" + (f" (BLOCK {block})" if wide else "") + f", seed {seed}"
             if not launch(report, what, layer_norm_dx_kernel, (rows,), x, dy, w, dx, cols, x.stride(0), EPS, BLOCK=block):
                 return
             if outside_writes(POISON, dx_full, data_mask(dx_full.shape, rows, cols)):
@@ -91,10 +99,15 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
                 return report.fail(f"{what}: {STUB}")
             xs, ws, dys = exact(x), exact(w), exact(dy)
             truth = ln_dx64(xs, ws, dys)
-            ref = _torch_dx(xs, ws, dys)
-            ok, line = compare(got, truth, ref, what=f"dX, {what}", rtol_floor=8 * float(np.finfo(np.float32).eps))
+            ref = _torch_dx(xs, ws, dys)  # float32 math, then rounded to the output's dtype
+            ref = ref.astype(got.dtype).astype(np.float64)
+            floor = 8 * float(np.finfo(np.float32).eps) if dtype == "fp32" else rounding_floor(got.dtype)
+            ok, line = compare(got, truth, ref, what=f"dX, {what}", rtol_floor=floor, dtype=got.dtype)
             if not ok and "never written" not in line:
-                hint = diagnose(got, _dx_mistakes(xs, ws, dys, block), tolerance(truth, ref, np.float32))
+                hint = diagnose(got, _dx_mistakes(xs, ws, dys, block), tolerance(truth, ref, got.dtype))
+                if hint is None and dtype == "fp16":
+                    hint = ("these rows share a large offset, and in float16 their sum loses the digits x - mean "
+                            "needs: convert what you load with .to(tl.float32) and compute the statistics in float32")
                 if hint:
                     line += f": {hint}"
             if not report.expect(ok, line, line):
@@ -108,14 +121,15 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
 def grade_column_sum(report: Report, column_sum_kernel):
     if (msg := not_a_kernel(column_sum_kernel, "column_sum_kernel")):
         return report.fail(msg)
-    BLOCK_P, BLOCK_N = 16, 32
+    rng = fresh_rng(report)
     for n_parts, n_cols in sizes([(40, 70), (16, 32), (5, 100), (100, 33), (1, 7)], [(528, 1536), (1000, 4096)]):
         for seed in (0, 1):
-            rng = np.random.default_rng(31 * n_parts + n_cols + seed)
+            # the grader picks the block sizes, some that no statement shows: the kernel must use its arguments
+            BLOCK_P, BLOCK_N = (16, 32) if seed == 0 else (int(rng.choice([4, 8, 32])), int(rng.choice([64, 128])))
             p64 = rand(rng, (n_parts, n_cols))
             _, part = framed(p64, "fp32", NAN, pad_rows=BLOCK_P, pad_cols=5)
             out_full, out = framed(np.full(n_cols, POISON), "fp32", POISON)
-            what = f"{n_parts} partial sums of {n_cols} columns, seed {seed}"
+            what = f"{n_parts} partial sums of {n_cols} columns, BLOCK_P={BLOCK_P}, BLOCK_N={BLOCK_N}"
             grid = (-(-n_cols // BLOCK_N),)
             if not launch(report, what, column_sum_kernel, grid, part, out, n_parts, n_cols, part.stride(0),
                           BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N):
@@ -130,7 +144,10 @@ def grade_column_sum(report: Report, column_sum_kernel):
             ok, line = compare(got, truth, ps.astype(np.float32).sum(0, dtype=np.float32), what=what,
                                rtol_floor=4 * n_parts * float(np.finfo(np.float32).eps))
             if not ok:
-                if np.isnan(got).any():
+                if "never written" in line:
+                    line += (": program pid sums columns pid * BLOCK_N to pid * BLOCK_N + BLOCK_N - 1; use the BLOCK_N "
+                             "and BLOCK_P the launch passes (the grader varies them), not numbers of your own")
+                elif np.isnan(got).any():
                     line += (": NaN came from rows past n_parts: mask the loads with rows < n_parts "
                              "(the last step of the loop runs past the end)")
                 elif np.allclose(got, ps[:BLOCK_P].sum(0), rtol=1e-4, atol=1e-4):
@@ -148,7 +165,10 @@ def grade_column_sum(report: Report, column_sum_kernel):
 def grade_block_counts(report: Report, block_flops, block_min_bytes):
     from .. import transformer as T
 
-    cases = [(8, 1024, 768, True), (1, 128, 64, False), (4, 2048, 1024, True), (2, 300, 96, False)]
+    rng = fresh_rng(report)  # and shapes no statement shows, drawn fresh on every run
+    cases = [(8, 1024, 768, True), (1, 128, 64, False), (4, 2048, 1024, True), (2, 300, 96, False),
+             *[(int(rng.integers(1, 17)), int(rng.integers(17, 5000)), int(rng.integers(8, 2049)), bool(c))
+               for c in (0, 1)]]
     for B, N, d, causal in cases:
         what = f"block_flops(B={B}, N={N}, d={d}, causal={causal})"
         got = number(report, what, block_flops, B, N, d, causal)
@@ -163,7 +183,9 @@ def grade_block_counts(report: Report, block_flops, block_min_bytes):
                  (8 * B * N * d * d + attn, "count all four projections: QKV (d x 3d), output (d x d), MLP (d x 4d, 4d x d)")]
         if not _expect_number(report, what, got, want, hints):
             return
-    for B, N, d, itemsize in [(8, 1024, 768, 2), (1, 128, 64, 4), (4, 2048, 1024, 2)]:
+    for B, N, d, itemsize in [(8, 1024, 768, 2), (1, 128, 64, 4), (4, 2048, 1024, 2),
+                              (int(rng.integers(1, 17)), int(rng.integers(17, 5000)), int(rng.integers(8, 2049)),
+                               int(rng.choice([1, 2, 4])))]:
         what = f"block_min_bytes(B={B}, N={N}, d={d}, itemsize={itemsize})"
         got = number(report, what, block_min_bytes, B, N, d, itemsize)
         if got is None:
@@ -265,6 +287,7 @@ def grade_trace(report: Report, dominant_kernel, idle_share):
 
 @exercise("08.5", "fused LayerNorm backward: dX, partial dW and dB, and its speed",
           names=("layer_norm_backward_kernel",), time_limit_s=300)
+@in_float32
 def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     import torch
 
@@ -273,14 +296,23 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     if (msg := not_a_kernel(layer_norm_backward_kernel, "layer_norm_backward_kernel")):
         return report.fail(msg)
     dev = world().device
-    for rows, cols, programs, with_dres in sizes([(7, 37, 3, False), (10, 64, 4, True), (5, 200, 5, True)],
-                                                 [(8192, 768, None, True), (1000, 3000, None, False)]):
-        rng = np.random.default_rng(rows * cols + programs if programs else rows)
-        h = torch.from_numpy(rand(rng, (rows, cols)) + rng.uniform(-1, 1, (rows, 1))).to(dev, torch.float32)
+    rng = fresh_rng(report)
+    # float16 cases (the interpreter has no bfloat16) share a large offset: statistics summed in 16 bits lose
+    # the digits that x - mean keeps; the number of programs, and so the rows each one takes, varies
+    for rows, cols, programs, with_dres, dtype in sizes(
+            [(7, 37, 3, False, "fp32"), (10, 64, 4, True, "fp32"), (5, 200, 5, True, "fp32"),
+             (int(rng.integers(5, 12)), int(rng.integers(40, 100)), int(rng.integers(2, 5)), bool(rng.integers(2)),
+              "fp16")],
+            [(8192, 768, None, True, "fp32"), (1000, 3000, None, False, "fp32"), (4096, 1000, None, True, "fp16")]):
+        dt = torch.float16 if dtype == "fp16" else torch.float32
+        h64 = rand(rng, (rows, cols), (1.0,)) + rng.uniform(250, 350) if dtype == "fp16" else \
+            rand(rng, (rows, cols)) + rng.uniform(-1, 1, (rows, 1))
+        h = torch.from_numpy(h64).to(dev, dt)
         w = torch.from_numpy(rng.uniform(0.5, 1.5, cols)).to(dev, torch.float32)
-        dy = torch.from_numpy(rand(rng, (rows, cols))).to(dev, torch.float32)
-        dres = torch.from_numpy(rand(rng, (rows, cols))).to(dev, torch.float32) if with_dres else None
+        dy = torch.from_numpy(rand(rng, (rows, cols))).to(dev, dt)
+        dres = torch.from_numpy(rand(rng, (rows, cols))).to(dev, dt) if with_dres else None
         what = f"{rows} x {cols}" + (f", {programs} programs" if programs else "") + (", with dres" if with_dres else "")
+        what += ", fp16 with a large common offset" if dtype == "fp16" else ""
         try:
             dx, dw, db = T.layer_norm_backward(h, w, dy, EPS, dres=dres, programs=programs, kernel=layer_norm_backward_kernel)
             if world().gpu:
@@ -291,13 +323,20 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
         xhat, _, _ = ln_parts64(h64, w64, dy64)
         truths = {"dx": ln_dx64(h64, w64, dy64) + (exact(dres) if with_dres else 0.0),
                   "dw": (dy64 * xhat).sum(0), "db": dy64.sum(0)}
-        refs = dict(zip(("dx", "dw", "db"), (t.cpu().double().numpy() for t in T.layer_norm_backward_ref(h, w, dy, EPS))))
+        # PyTorch's backward in float32 math, dX rounded to the output's dtype
+        refs = dict(zip(("dx", "dw", "db"), (t.cpu().double().numpy()
+                                              for t in T.layer_norm_backward_ref(h.float(), w, dy.float(), EPS))))
         if with_dres:
             refs["dx"] = refs["dx"] + exact(dres)
+        refs["dx"] = refs["dx"].astype(host(dx).dtype).astype(np.float64)
         for key, got in (("dx", dx), ("dw", dw), ("db", db)):
             g = host(got)
+            floor = 8 * float(np.finfo(np.float32).eps) * (1 if key == "dx" else rows)
             ok, line = compare(g, truths[key], refs[key], what=f"{key}, {what}",
-                               rtol_floor=8 * float(np.finfo(np.float32).eps) * (1 if key == "dx" else rows))
+                               rtol_floor=max(floor, rounding_floor(g.dtype)) if g.dtype == np.float16 else floor)
+            if not ok and dtype == "fp16" and "never written" not in line:
+                line += (": these rows share a large offset, and in float16 their sums lose the digits x - mean "
+                         "needs: convert what you load with .to(tl.float32) and compute in float32")
             if not ok and key == "dx" and with_dres and compare(g, truths[key] - exact(dres), refs[key] - exact(dres),
                                                                 what="", rtol_floor=1e-5)[0]:
                 line += ": add dres (the gradient flowing past the LayerNorm) to dX when HAS_DRES"
@@ -314,13 +353,24 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     # speed: the whole backward (this kernel and the column sum) against PyTorch's, in 16-bit, at a large shape
     n_rows, n_cols = 16384, 2048
     if not world().gpu:
-        return speed_vs_peer(report, f"LayerNorm backward at {n_rows} x {n_cols} bf16", None, None, "PyTorch", 0.9)
-    h = torch.randn(n_rows, n_cols, device=dev, dtype=torch.bfloat16)
+        return speed_vs_peer(report, f"LayerNorm backward at {n_rows} x {n_cols} 16-bit", None, None, "PyTorch", 0.9)
+    low = low_precision_dtype()  # bfloat16, or float16 on a GPU without it (the T4)
+    name = str(low).removeprefix("torch.")
+    h = torch.randn(n_rows, n_cols, device=dev, dtype=low)
     dy = torch.randn_like(h)
     w = torch.rand(n_cols, device=dev) + 0.5
-    speed_vs_peer(report, f"LayerNorm backward at {n_rows} x {n_cols} bf16",
+    speed_vs_peer(report, f"LayerNorm backward at {n_rows} x {n_cols} {name}",
                   lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
                   T.torch_layer_norm_backward(h, w, dy, EPS), "PyTorch's LayerNorm backward", 0.9)
+    # and against the course's kernel, timed in the same run: PyTorch's speed varies from GPU to GPU, so a
+    # kernel that loads and stores its partial sums for every row can clear 0.9x PyTorch on some runs; against
+    # a peer that does the same work with the sums in registers, it cannot
+    speed_vs_peers(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
+                   lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
+                   lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9,
+                   "keep each program's partial dW and dB in registers across its rows (dw += dy * xhat) and "
+                   "store them once at the end: a load and a store of the partial sums for every row costs "
+                   "memory traffic and makes each row wait for the last")
 
 
 # ---- 08.6 fused cross-entropy: the loss and the gradient of the logits in one pass --------------------
