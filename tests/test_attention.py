@@ -109,9 +109,15 @@ def test_tiled_reference_never_makes_the_score_matrix():
     assert Largest.numel < 256 * 256
 
 
-def test_flops():
-    assert A.attention_flops(2, 3, 100, 100, 64) == 4 * 2 * 3 * 100 * 100 * 64
-    assert A.attention_flops(2, 3, 100, 100, 64, causal=True) == 2 * 2 * 3 * 100 * 100 * 64
+def test_flops_are_what_the_reference_computes():
+    """The count is the reference's matmuls as PyTorch's own FLOP counter sees them; causal keeps half."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(2, 3, n, 16) for n in (37, 53, 53))
+    with FlopCounterMode(display=False) as counter:
+        A.attention_ref(q, k, v)
+    assert A.attention_flops(2, 3, 37, 53, 16) == counter.get_total_flops()
+    assert A.attention_flops(2, 3, 37, 53, 16, causal=True) == counter.get_total_flops() / 2
 
 
 # ---- the Triton kernel, in the interpreter -----------------------------------------------------
@@ -178,8 +184,10 @@ def test_every_version_matches_reference(version, n_q, n_k, causal):
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-5, atol=1e-3)
 
 
-def test_final_kernel_is_version_4():
-    assert A.flash_attention_kernel is A.flash_attention_v4_kernel and A.FINAL == 4
+def test_hopper_and_the_interpreter_run_the_final_version_older_gpus_the_pointer_loads():
+    assert A.default_version((9, 0)) == A.default_version(None) == A.FINAL
+    for capability in ((7, 5), (8, 0), (8, 6), (8, 9)):
+        assert A.default_version(capability) == 2, capability
 
 
 # ---- the causal key range, the dispatch and the tile sizes -----------------------------------------
