@@ -11,7 +11,6 @@ The course runs ``kc.attention_backward.attention`` (the lean launchers); SDPA r
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +20,6 @@ import kernelcourse as kc
 CASES = [((8, 12, 1024, 64), True), ((32, 16, 512, 64), False), ((16, 12, 256, 64), False),
          ((4, 16, 4096, 64), True), ((4, 16, 4096, 64), False)]
 CALLS = 300
-
-
-def cpu_us(fn, calls: int = CALLS) -> float:
-    """CPU microseconds per call: calls issued back to back, the GPU not waited for (its queue is deep
-    enough for a few hundred launches; a synchronisation before starting empties it)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def sdpa_flash(q, k, v, causal):
@@ -70,7 +55,7 @@ def main():
             for what, fn in zip(("fwd", "fwd+bwd"), calls(attend, q, k, v, do, causal)):
                 fn()                                     # compiles and tunes
                 rows.append({"case": f"({B},{H},{N},{d}){' causal' if causal else ''}", "pass": what, "impl": name,
-                             "cpu us": cpu_us(fn), "gpu us": kc.bench.gpu_time(fn) * 1e3,
+                             "cpu us": kc.bench.cpu_time_per_call(fn, calls=CALLS, warmup=10), "gpu us": kc.bench.gpu_time(fn) * 1e3,
                              "do_bench ms": kc.bench.do_bench(fn)})
     print(kc.bench.table(rows, {"case": "", "pass": "", "impl": "", "cpu us": ".0f", "gpu us": ".0f",
                                 "do_bench ms": ".3f"}))

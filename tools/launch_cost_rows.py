@@ -13,26 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import kernelcourse as kc  # noqa: E402
-
-
-def cpu_us(fn, calls: int) -> float:
-    for _ in range(10):  # compile, tune, warm the caches
-        fn()
-    import torch
-
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def main() -> int:
@@ -91,14 +76,14 @@ def main() -> int:
     ]
     rows = []
     for op, impl, fn in cases:
-        c = cpu_us(fn, args.calls)
+        c = kc.bench.cpu_time_per_call(fn, calls=args.calls, warmup=10)
         rows.append({"op": op, "impl": impl, "cpu_us": c, "gpu_us": gpu_time(fn) * 1e3})
     if args.block:  # one training step of chapter 08's block: which side, CPU or GPU, sets its pace
         ref, course, h, delta = T.make_pair(8, 1024, 768, 12, dtype)
         grads = (torch.randn_like(h), torch.randn_like(h))
         for impl, blk in (("eager PyTorch + SDPA", ref), ("course kernels", course)):
             fn = T.step_fn(blk, h, delta, grads)
-            c = cpu_us(fn, 10)  # ~60 launches a step: 10 steps stay within the GPU's launch queue
+            c = kc.bench.cpu_time_per_call(fn, calls=10, warmup=10)  # ~60 launches a step: 10 steps stay within the GPU's launch queue
             rows.append({"op": "block fwd+bwd 8x1024x768", "impl": impl, "cpu_us": c, "gpu_us": gpu_time(fn, reps=3) * 1e3})
     floor = rows[0]["cpu_us"]
     for row in rows:

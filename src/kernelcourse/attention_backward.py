@@ -29,8 +29,6 @@ Import this module after ``kc.setup()``: Triton reads the interpreter switch whe
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl

@@ -568,18 +568,11 @@ def bench_block(B=8, N=1024, d=768, H=12, dtype=None, triton_matmuls=(), variant
 
 
 def _cpu_gpu_us(fn, calls: int) -> tuple[float, float]:
-    """CPU microseconds per call (``calls`` back to back, no waiting for the GPU, after a warm-up) and GPU
-    microseconds per call (replayed in a CUDA graph, ``triton.testing.do_bench_cudagraph``)."""
+    """CPU microseconds per call (``kc.bench.cpu_time_per_call``: ``calls`` back to back, no waiting for the
+    GPU, after a warm-up) and GPU microseconds per call (replayed in a CUDA graph, ``do_bench_cudagraph``)."""
     from triton.testing import do_bench_cudagraph
 
-    for _ in range(5):  # compile, tune, warm the caches
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    cpu_us = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
+    cpu_us = bench.cpu_time_per_call(fn, calls=calls, warmup=5)
     return cpu_us, do_bench_cudagraph(fn) * 1e3
 
 
