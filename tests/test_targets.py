@@ -313,3 +313,26 @@ def test_a_tl_dot_on_cuda_cores_reaches_the_fraction_of_sgemm_that_05_4_asks():
         torch.backends.cuda.matmul.allow_tf32 = tf32
     print(f"an FMA tl.dot at 128 x 128 x 32: {ratio:.2f}x cuBLAS's fp32 SGEMM on {torch.cuda.get_device_name()}")
     assert ratio >= SPEED_VS_SGEMM, f"{ratio:.2f}x SGEMM, and 05.4 asks {SPEED_VS_SGEMM}x on a T4"
+
+
+@pytest.mark.parametrize("capability, smem", [((7, 5), 65536), ((8, 0), 166912), ((8, 9), 101376), ((9, 0), 232448)])
+def test_matmul_autotuner_tries_only_tiles_that_suit_the_gpu(monkeypatch, capability, smem):
+    """On a T4 (FMA) no tile above 128 x 128 is compiled; everywhere, every candidate's pipeline fits the
+    GPU's shared memory, and at least one candidate is left; an H100 keeps every candidate."""
+    import torch
+
+    from kernelcourse import kernels as K
+
+    monkeypatch.setattr(K, "_gpu_facts", lambda: (capability, smem))
+    a = torch.empty(2, 2, dtype=torch.float16)
+    kept = K._prune_matmul_configs(K.MATMUL_CONFIGS, {"a_ptr": a})
+    assert kept
+    for c in kept:
+        m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        assert c.num_stages * (m * k + k * n) * 2 <= smem
+        if capability < (8, 0):
+            assert m * n <= K.FMA_TILE_MAX
+    if capability == (9, 0):
+        assert kept == K.MATMUL_CONFIGS
+    if capability == (7, 5):
+        assert len(kept) < len(K.MATMUL_CONFIGS)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .bench import gpu_time_for_autotune
-from .world import world
+from .world import device_capability, world
 
 __all__ = ["add", "softmax", "residual_layer_norm", "matmul", "grouped_tile", "softmax_num_warps",
            "softmax_lean", "residual_layer_norm_lean", "matmul_lean", "SoftmaxFunction", "TritonMatmul",
@@ -279,6 +279,30 @@ MATMUL_CONFIGS = [
     _mm_config(64, 64, 32, 4, 4),
 ]
 _matmul_tuned = None
+# Before compute capability 8.0 (the T4) Triton turns tl.dot into scalar FMA instructions (chapter 05):
+# a tile larger than this compiles for 10-20 s and runs no faster, so the autotuner tries no larger there.
+FMA_TILE_MAX = 128 * 128
+
+
+def _gpu_facts() -> tuple[tuple[int, int], int]:
+    """(compute capability as the course sees it, shared memory per block in bytes) of the current GPU."""
+    props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+    return device_capability(), props["max_shared_mem"]
+
+
+def _prune_matmul_configs(configs, named_args, **kwargs):
+    """The autotuner's candidates that fit this GPU's shared memory (``stages`` copies of an A and a B
+    tile), and on a GPU without tensor cores for Triton (compute capability below 8.0) the tiles of at
+    most ``FMA_TILE_MAX`` elements."""
+    capability, smem = _gpu_facts()
+    itemsize = named_args["a_ptr"].element_size()
+
+    def fits(c):
+        m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        small_enough = capability >= (8, 0) or m * n <= FMA_TILE_MAX
+        return small_enough and c.num_stages * (m * k + k * n) * itemsize <= smem
+
+    return [c for c in configs if fits(c)] or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, activation: str = "", config: dict | None = None) -> torch.Tensor:
@@ -296,7 +320,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str = "", config: dict 
     args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     if config is None and world().gpu:
         if _matmul_tuned is None:
-            _matmul_tuned = triton.autotune(MATMUL_CONFIGS, key=["M", "N", "K"])(matmul_kernel)
+            _matmul_tuned = triton.autotune(MATMUL_CONFIGS, key=["M", "N", "K"],
+                                            prune_configs_by={"early_config_prune": _prune_matmul_configs})(matmul_kernel)
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
         _matmul_tuned[grid](*args, ACTIVATION=activation)
         return c
