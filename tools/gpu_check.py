@@ -45,8 +45,11 @@ GRADE_TESTS = "not test_generated_stubs_fail_every_grader and not test_solutions
 # The parts, in the order they run: --only picks some (a machine's time may not hold all of them at once).
 PARTS = ("tests", "lessons", "solutions", "grades")
 # Test files that belong to one chapter (besides tests/test_grading_chNN.py), for --chapter.
-CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "06": ["test_attention.py"],
-                 "07": ["test_attention_backward.py"]}
+CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "04": ["test_group_norm.py"],
+                 "05": ["test_targets.py"], "06": ["test_attention.py", "test_attention_op.py"],
+                 "07": ["test_attention_backward.py"],
+                 "08": ["test_transformer.py", "test_ops_rows.py", "test_losses.py", "test_bench_profile.py"],
+                 "09": ["test_hf.py"]}
 # --pre-hopper: what GPUs before Hopper get, on a Hopper GPU (see the docstring)
 PRE_HOPPER = {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "8.0"}
 PRE_HOPPER_SHARED_MEM = 99 * 1024          # an L4's shared memory per block, the least of Colab's Ampere and Ada GPUs
