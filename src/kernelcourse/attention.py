@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .world import device_capability, world
+from .world import device_capability, gpu_properties, world
 
 __all__ = ["attention_ref", "causal_mask", "softmax_state", "online_softmax_merge", "online_softmax",
            "tiled_attention_ref", "flash_attention", "flash_attention_kernel", "attention_flops",
@@ -560,15 +560,10 @@ def _smem_bytes(c: triton.Config, head_dim: int, resident: str = "q", resident_t
     return itemsize * (head_dim * (resident_tiles * stay + 2 * c.num_stages * stream) + bm * bn)
 
 
-@functools.cache
-def _properties_of(device_index: int) -> dict:
-    return triton.runtime.driver.active.utils.get_device_properties(device_index)
-
-
 def _device_properties() -> dict:
     """Triton's properties of the current GPU (``max_shared_mem``: bytes of shared memory per block),
-    asked once per GPU."""
-    return _properties_of(torch.cuda.current_device())
+    asked once per GPU (``world.gpu_properties``)."""
+    return gpu_properties()
 
 
 @functools.cache

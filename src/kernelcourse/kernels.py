@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .bench import gpu_time_for_autotune
-from .world import device_capability, world
+from .world import device_capability, gpu_properties, world
 
 __all__ = ["add", "softmax", "residual_layer_norm", "matmul", "grouped_tile", "softmax_num_warps",
            "softmax_lean", "residual_layer_norm_lean", "matmul_lean", "SoftmaxFunction", "TritonMatmul",
@@ -286,8 +286,7 @@ FMA_TILE_MAX = 128 * 128
 
 def _gpu_facts() -> tuple[tuple[int, int], int]:
     """(compute capability as the course sees it, shared memory per block in bytes) of the current GPU."""
-    props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
-    return device_capability(), props["max_shared_mem"]
+    return device_capability(), gpu_properties()["max_shared_mem"]
 
 
 def _prune_matmul_configs(configs, named_args, **kwargs):
@@ -648,7 +647,7 @@ def group_norm_split(programs: int, n: int, BLOCK: int = 1024) -> int:
     programs per SM, else enough for about four programs per SM, at least a BLOCK of values per tile."""
     if not world().gpu:
         return 1
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = gpu_properties()["multiprocessor_count"]
     return 1 if programs >= 2 * sms else max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(n, BLOCK)))
 
 

@@ -25,7 +25,6 @@ Import it after ``kc.setup()``.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
 import time
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import bench, kernels
-from .world import low_precision_dtype, world
+from .world import gpu_properties, low_precision_dtype, world
 
 __all__ = ["layer_norm_backward_kernel", "column_sum_kernel", "layer_norm_backward", "layer_norm_backward_ref",
            "torch_layer_norm_backward", "layer_norm_backward_lean", "ops", "TritonMatmul", "bench_block", "bench_gpt",
@@ -100,9 +99,8 @@ def column_sum_kernel(part_ptr, out_ptr, n_parts, n_cols, stride, BLOCK_P: tl.co
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-@functools.lru_cache(maxsize=None)
 def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return gpu_properties(device)["multiprocessor_count"]
 
 
 def _programs(n_rows: int) -> int:

@@ -327,6 +327,23 @@ def device_capability(device=None) -> tuple[int, int]:
     return min(real, limit) if limit else real
 
 
+_gpu_properties: dict[int, dict] = {}
+
+
+def gpu_properties(device_index: int | None = None) -> dict:
+    """Triton's properties of a GPU (``max_shared_mem``: bytes of shared memory per block, as
+    ``KC_MAX_SHARED_MEM`` may lower it; ``multiprocessor_count``: its SMs), asked once per GPU: the
+    launchers read them on every call, and a driver query is not free."""
+    import torch
+
+    index = torch.cuda.current_device() if device_index is None else device_index
+    if index not in _gpu_properties:
+        import triton
+
+        _gpu_properties[index] = triton.runtime.driver.active.utils.get_device_properties(index)
+    return _gpu_properties[index]
+
+
 def shared_memory_limit() -> int | None:
     """``KC_MAX_SHARED_MEM``: bytes of shared memory per block the course's GPU world allows (None: the GPU's)."""
     text = os.environ.get("KC_MAX_SHARED_MEM", "").strip()
