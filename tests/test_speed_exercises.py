@@ -110,6 +110,30 @@ def test_01_6_rejects_wrong(fn, hint):
     assert hint in text, text
 
 
+_STATEMENT_SHAPES = {(37, 53), (8, 130), (130, 8), (1000, 1003)}  # the shapes the grader always checks
+
+
+def matrix_add_for_known_shapes(A, B, C):
+    """A launcher tuned to the shapes it has seen: the right grid for those, one block for any other."""
+    rows, cols = C.shape
+    grid = ((cols + 31) // 32, (rows + 7) // 8) if (rows, cols) in _STATEMENT_SHAPES else (1, 1)
+    madd_ok[grid, (32, 8)](A, B, C)
+
+
+@pytest.mark.parametrize("seed", [None, "7", "8"])
+def test_01_6_a_launcher_for_the_fixed_shapes_fails_on_the_drawn_one(seed, monkeypatch):
+    if seed is None:
+        monkeypatch.delenv("KC_GRADE_SEED", raising=False)  # a fresh draw, as a learner's run gets
+    else:
+        monkeypatch.setenv("KC_GRADE_SEED", seed)
+    passed, text = grade("01.6", matrix_add=matrix_add_for_known_shapes)
+    assert not passed
+    failing = [line for line in text.splitlines() if line.startswith("✘")]
+    assert failing and "never written" in failing[0] and "the grid must cover every row and every column" in failing[0]
+    rows, cols = (int(x) for x in failing[0].split(":")[0].split()[-2].split("x"))
+    assert (rows, cols) not in _STATEMENT_SHAPES and "KC_GRADE_SEED=" in text, text
+
+
 @pytest.mark.skipif(GPU, reason="an out-of-bounds write on a GPU would corrupt this process's context")
 def test_01_6_rejects_a_missing_bounds_check():
     passed, text = grade("01.6", matrix_add=matrix_add_no_bounds)
