@@ -219,6 +219,21 @@ def causal_key_range(q0, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def causal_query_range(k0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(m_start, m_full)`` for the causal key tile of keys k0 .. k0 + BLOCK_N - 1 (the backward's dK/dV).
+
+    Query tiles before m_start see none of these keys (their queries come before k0): skipped. Tiles
+    from m_start up to m_full cross the diagonal and need the mask. From m_full on, a tile's first query
+    is at or after the tile's last key, k0 + BLOCK_N - 1, so every query sees every key. Both are
+    multiples of BLOCK_M. The kernel clips m_full to the number of queries. On the host,
+    ``causal_query_range.fn(k0, block_m, block_n)`` is the same function on Python ints.
+    """
+    m_start = k0 // BLOCK_M * BLOCK_M
+    m_full = (k0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M   # the first multiple of BLOCK_M >= k0 + BLOCK_N - 1
+    return m_start, m_full
+
+
+@triton.jit
 def causal_visible(queries, keys):
     """The causal mask, top-left aligned as SDPA's ``is_causal``: query i sees key j when j <= i. The
     kernels pass index vectors already broadcast to their tile, (queries, keys) or (keys, queries)."""

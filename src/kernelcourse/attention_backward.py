@@ -35,8 +35,8 @@ import triton.language as tl
 
 from .attention import (INTERPRETER_CONFIG, LOG2E, _TUNING, _chosen, _config, _describe, _device_properties,
                         _forward, _key, _key_range, _launch_tuned, _new_output, _plans, _scale, _smem_bytes,
-                        attention_flops, capability, causal_mask, causal_visible, check_inputs, default_version,
-                        flash_attention, longest_first)
+                        attention_flops, capability, causal_mask, causal_query_range, causal_visible, check_inputs,
+                        default_version, flash_attention, longest_first)
 from .world import world
 
 __all__ = ["attention_backward_ref", "tiled_attention_backward_ref", "attention_backward_flops",
@@ -233,10 +233,8 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
     # Queries [lo, m_full) need the causal mask; [m_full, m_whole) none; [.., N_Q) the tail's mask.
     m_whole = (N_Q // BLOCK_M) * BLOCK_M               # query tiles that lie entirely before N_Q
     if CAUSAL:
-        k0 = start_n * BLOCK_N
-        lo = (k0 // BLOCK_M) * BLOCK_M                 # queries before k0 see none of these keys
-        # from the first query tile whose first query is at or after the tile's last key, all see all
-        m_full = tl.maximum(lo, tl.minimum(tl.cdiv(k0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, N_Q))
+        lo, m_full = causal_query_range(start_n * BLOCK_N, BLOCK_M, BLOCK_N)  # skipped before lo, masked to m_full
+        m_full = tl.maximum(lo, tl.minimum(m_full, N_Q))
     else:
         lo = 0
         m_full = 0
