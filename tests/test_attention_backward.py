@@ -239,12 +239,12 @@ def test_backward_kernels_match_the_tiled_reference_with_other_tiles():
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("resident, configs", [("kv", AB.DKDV_CONFIGS), ("q", AB.DQ_CONFIGS)], ids=["dkdv", "dq"])
 def test_pruned_backward_candidates_fit_a_t4(monkeypatch, d, resident, configs):
-    monkeypatch.setattr(AB, "_device_properties", lambda: T4)
+    monkeypatch.setattr(AB, "_device_properties", lambda: {**T4, "fma_dot": True})  # tl.dot is FMA on a T4
     for n in (40, 1000, 8192):
         kept = AB._pruner(resident)(configs, {"N_Q": n, "N_K": n, "HEAD_DIM": d})
         assert kept, f"no {resident} candidate for d = {d}"
         for c in kept:
-            assert AB._smem_bytes(c, d, resident, resident_tiles=2) <= T4["max_shared_mem"], f"{AB._key(c)} does not fit a T4"
+            assert AB._smem_estimate(True)(c, d, resident, resident_tiles=2) <= T4["max_shared_mem"], f"{AB._key(c)} does not fit a T4"
 
 
 @pytest.mark.parametrize("resident, configs", [("kv", AB.DKDV_CONFIGS), ("q", AB.DQ_CONFIGS)], ids=["dkdv", "dq"])

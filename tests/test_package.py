@@ -1,6 +1,7 @@
 """The helper package: worlds, recorded results, comparisons, timing limits."""
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -292,3 +293,12 @@ def test_setup_warns_only_about_combinations_that_cannot_work(monkeypatch):
     assert WORLD._known_problem(cpu) is None
     given("2.5.2", "3.9.0")  # numba-cuda 0.30.4 with numpy 2.5: made to work by setup(), no warning
     assert WORLD._known_problem(cpu) is None and WORLD._known_problem(gpu) is None
+
+
+def test_no_course_code_asks_torch_whether_bf16_is_supported():
+    """torch.cuda.is_bf16_supported() says True on a T4, whose bfloat16 is emulated: what the course runs in
+    bfloat16 asks kc.world().has_bf16 (compute capability 8.0 or newer, KC_MAX_CAPABILITY honoured)."""
+    root = Path(__file__).resolve().parent.parent
+    files = [*(root / "src").rglob("*.py"), *(root / "solutions").glob("*.ipynb"), *(root / "exercises").glob("*.ipynb")]
+    asking = [str(f.relative_to(root)) for f in files if "is_bf16_supported(" in f.read_text(encoding="utf-8")]
+    assert not asking, asking

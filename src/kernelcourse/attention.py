@@ -575,10 +575,31 @@ def _smem_bytes(c: triton.Config, head_dim: int, resident: str = "q", resident_t
     return itemsize * (head_dim * (resident_tiles * stay + 2 * c.num_stages * stream) + bm * bn)
 
 
+def _smem_bytes_fma(c: triton.Config, head_dim: int, resident: str = "q", resident_tiles: int = 1) -> int:
+    """``_smem_bytes`` where Triton lowers tl.dot to scalar FMA (compute capability below 8.0, a T4): no
+    pipelining there, so num_stages does not count, but the dots' operands pass through shared memory as
+    float32: the tiles that stay, one streaming tile and the tile of p, four bytes a value. An upper bound
+    of what Triton 3.6 compiles for sm_75 (tests/test_targets.py compiles the tiles the pruners keep)."""
+    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+    stay, stream = (bn, bm) if resident == "kv" else (bm, bn)
+    return 4 * (head_dim * (resident_tiles * stay + stream) + bm * bn)
+
+
+def _smem_estimate(fma: bool):
+    """The shared-memory estimate for a GPU where tl.dot is FMA (``fma``) or runs on tensor cores."""
+    return _smem_bytes_fma if fma else _smem_bytes
+
+
+@functools.cache
+def _properties_of(device_index: int) -> dict:
+    return {**gpu_properties(device_index), "fma_dot": device_capability(device_index) < (8, 0)}
+
+
 def _device_properties() -> dict:
     """Triton's properties of the current GPU (``max_shared_mem``: bytes of shared memory per block),
-    asked once per GPU (``world.gpu_properties``)."""
-    return gpu_properties()
+    asked once per GPU (``world.gpu_properties``), and ``fma_dot``: whether Triton makes scalar FMA of
+    tl.dot there, which changes what a tile takes in shared memory (``_smem_bytes``)."""
+    return _properties_of(torch.cuda.current_device())
 
 
 @functools.cache
@@ -596,15 +617,16 @@ def _prune(configs, named_args, **kwargs):
     (or an unusual head dim), those whose tiles fit in its shared memory."""
     d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
     n_q = named_args.get("N_Q", kwargs.get("N_Q"))
-    smem = _device_properties().get("max_shared_mem", 0) or 1 << 30
+    props = _device_properties()
+    smem, smem_of = props.get("max_shared_mem", 0) or 1 << 30, _smem_estimate(props.get("fma_dot", False))
     tried = _TRIED.get(d if d > 64 else 64)
     if smem >= 200 * 1024 and tried is not None:
         kept = [c for c in configs if _key(c) in tried]
     else:
-        kept = [c for c in configs if _smem_bytes(c, d) <= smem]
+        kept = [c for c in configs if smem_of(c, d) <= smem]
     # a 128-row tile for a 40-query sequence computes mostly padding: prefer tiles that fit
     short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(n_q, 64)]
-    return short or kept or [min(configs, key=lambda c: _smem_bytes(c, d))]
+    return short or kept or [min(configs, key=lambda c: smem_of(c, d))]
 
 
 # ---- autotuning, shared by the forward and backward kernels ----------------------------------------

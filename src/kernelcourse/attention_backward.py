@@ -35,8 +35,8 @@ import triton.language as tl
 
 from .attention import (INTERPRETER_CONFIG, LOG2E, _TUNING, _chosen, _config, _describe, _device_properties,
                         _forward, _key, _key_range, _launch_tuned, _new_output, _plans, _scale, _smem_bytes,
-                        attention_flops, capability, causal_mask, causal_query_range, causal_visible, check_inputs,
-                        default_version, flash_attention, longest_first)
+                        _smem_estimate, attention_flops, capability, causal_mask, causal_query_range, causal_visible,
+                        check_inputs, default_version, flash_attention, longest_first)
 from .world import world
 
 __all__ = ["attention_backward_ref", "tiled_attention_backward_ref", "attention_backward_flops",
@@ -331,17 +331,17 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_
 # (kernelcourse.attention): this module only lists its own candidates and which of them a large GPU tries.
 
 # Candidates for the dK/dV kernel: a key tile of BLOCK_N rows stays in registers while query tiles of
-# BLOCK_M rows stream past. The last ones fit a small GPU's shared memory.
+# BLOCK_M rows stream past. The last ones fit a small GPU's shared memory (16 x 16 tiles: d = 256 on a T4).
 DKDV_CONFIGS = [
     _config(64, 128, 8, 3), _config(64, 128, 8, 2), _config(64, 64, 4, 2), _config(32, 128, 4, 3),
     _config(32, 64, 4, 3), _config(64, 64, 4, 3), _config(32, 64, 4, 2), _config(32, 64, 4, 1),
-    _config(16, 64, 4, 2), _config(16, 32, 4, 1),
+    _config(16, 64, 4, 2), _config(16, 32, 4, 1), _config(16, 16, 4, 1),
 ]
 # Candidates for the dQ kernel: the other way round, a query tile stays while key tiles stream past.
 DQ_CONFIGS = [
     _config(128, 128, 8, 2), _config(128, 64, 8, 4), _config(128, 64, 8, 3), _config(128, 32, 4, 3),
     _config(64, 32, 4, 3), _config(64, 64, 4, 3), _config(64, 32, 4, 2), _config(64, 16, 4, 2),
-    _config(32, 16, 4, 1),
+    _config(32, 16, 4, 1), _config(16, 16, 4, 1),
 ]
 
 
@@ -364,8 +364,9 @@ def _pruner(resident: str):
         """The candidates whose tiles fit in this GPU's shared memory (64 KB per block on a T4, 227 KB
         on an H100), on a large GPU the few chosen for this head dim, not much larger than the sequences."""
         d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-        smem = _device_properties().get("max_shared_mem", 0) or 1 << 30
-        kept = [c for c in configs if _smem_bytes(c, d, resident, resident_tiles=2) <= smem]
+        props = _device_properties()
+        smem, smem_of = props.get("max_shared_mem", 0) or 1 << 30, _smem_estimate(props.get("fma_dot", False))
+        kept = [c for c in configs if smem_of(c, d, resident, resident_tiles=2) <= smem]
         if smem >= 200 * 1024 and d in _TRIED[resident]:
             kept = [c for c in kept if _key(c) in _TRIED[resident][d]]
         n_q = named_args.get("N_Q", kwargs.get("N_Q"))
