@@ -105,3 +105,31 @@ def test_the_gradient_buffer_made_in_the_forward_becomes_the_logits_grad_without
     x.requires_grad_(True)
     L.cross_entropy(x, t).backward()
     assert x.grad.data_ptr() == made[0]  # one N x V buffer in all: the memory the benchmark's target counts on
+
+
+def test_no_other_tensor_the_size_of_the_logits_is_made():
+    """Forward and backward through the operator make one N x V tensor, the gradient, and no other: in
+    particular autograd does not hand the backward a tensor of zeros for the operator's second output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n, v = 6, 300
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {a.data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):  # new memory only: no views, no in-place
+                if isinstance(o, torch.Tensor) and o.numel() == n * v and o.data_ptr() not in given:
+                    made.append(str(func))
+            return out
+
+    x, t = _case(n, v, seed=3)
+    x.requires_grad_(True)
+    with Record():
+        L.cross_entropy(x, t).backward()
+    assert made == ["kernelcourse.cross_entropy.default"], made
+    x.grad = None
+    with Record():
+        (L.cross_entropy(x, t) * 3.0).backward()  # a scaled loss: multiplied in place, still one buffer
+    assert made[1:] == ["kernelcourse.cross_entropy.default"], made

@@ -151,6 +151,9 @@ def _(logits, target, ignore_index, reduction):
 def _setup_context(ctx, inputs, output):
     _, grad = output
     ctx.mark_non_differentiable(grad)
+    # Nothing flows back into the second output, and autograd would otherwise hand the backward a tensor
+    # of zeros for it: a second N x V buffer. Unmaterialized, that gradient arrives as None.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad)
 
 
@@ -164,6 +167,8 @@ def _traced(t: torch.Tensor) -> bool:
 
 def _backward(ctx, d_loss, d_grad):
     (grad,) = ctx.saved_tensors
+    if d_loss is None:  # no gradient reached the loss (the gradients are not materialized as zeros)
+        return None, None, None, None
     if _traced(grad):
         return grad * d_loss, None, None, None  # traced: the graph must not depend on d_loss's value
     # Run eagerly, the saved gradient is handed on as it is, with no second N x V buffer:
