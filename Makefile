@@ -78,10 +78,11 @@ test-oldest:
 
 # CHAPTERS="01 02" checks those chapters only (their notebooks and tests, and the tests of no chapter);
 # PARTS="tests grades" runs only those parts (tests, lessons, solutions, grades); PREHOPPER=1 checks, on a
-# Hopper GPU, the paths of GPUs before Hopper (tools/gpu_check.py --pre-hopper).
+# Hopper GPU, the paths of GPUs before Hopper (tools/gpu_check.py --pre-hopper); T4=1 the course's choices
+# for a T4 (--as-t4).
 gpu-check:
 	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS)) $(addprefix --only ,$(PARTS)) \
-		$(if $(PREHOPPER),--pre-hopper)
+		$(if $(PREHOPPER),--pre-hopper) $(if $(T4),--as-t4)
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab

@@ -34,6 +34,31 @@ def test_pre_hopper_mode_sets_what_gpus_before_hopper_get():
     assert gpu_check.mode_env(gpu_check.parse_args(["--max-shared-mem", "65536"])) == {"KC_MAX_SHARED_MEM": "65536"}
 
 
+def test_t4_mode_sets_a_t4_s_capability_and_shared_memory(capsys):
+    import pytest
+
+    env = gpu_check.mode_env(gpu_check.parse_args(["--as-t4"]))
+    assert env == {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "7.5", "KC_MAX_SHARED_MEM": "65536"}
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--as-t4", "--pre-hopper"])
+    assert "pick one" in capsys.readouterr().err
+
+
+def test_what_the_course_chooses_under_t4_mode(monkeypatch):
+    """Under --as-t4's capability an H100 gets a T4's choices: float16 for bfloat16, the pointer attention,
+    the FMA shared-memory estimates."""
+    import torch
+
+    import kernelcourse.attention as A
+    W = sys.modules["kernelcourse.world"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("KC_MAX_CAPABILITY", "7.5")
+    cc = W.device_capability()
+    assert cc == (7, 5)
+    assert not W.World(True, "cuda", "H100", cc, {}).has_bf16
+    assert A.default_version(cc) == 2 and A.default_version((9, 0)) == 4
+
+
 def test_pre_hopper_mode_reaches_every_child_process(monkeypatch):
     monkeypatch.setattr(gpu_check, "EXTRA_ENV", {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "8.0"})
     env = gpu_check.child_env()

@@ -18,6 +18,14 @@ wgmma (DISABLE_MMA_V3=1), the course treats the GPU as compute capability 8.0 (K
 attention versions that load through pointers) and as having an L4's 99 KB of shared memory per block
 (KC_MAX_SHARED_MEM; --max-shared-mem 65536 for a T4's). A T4's scalar-FMA tl.dot needs a T4 itself; its
 lowering is checked on any machine by tests/test_targets.py.
+
+    python3 tools/gpu_check.py --as-t4         # or: make gpu-check T4=1
+
+goes one step further down: the course treats the GPU as a T4 (compute capability 7.5: float16 where a
+chapter computes in bfloat16, the pointer attention, the pruners' estimates for an FMA tl.dot within a
+T4's 64 KB of shared memory), with mma.sync as under --pre-hopper. Every choice the course makes for a T4
+runs; Triton's tl.dot still runs on this GPU's tensor cores, so the speed checks compare with the peers
+of a GPU whose tl.dot has them, not with a T4's.
 """
 from __future__ import annotations
 
@@ -53,6 +61,9 @@ CHAPTER_TESTS = {"02": ["test_roofline.py"], "03": ["test_ledger.py"], "04": ["t
 # --pre-hopper: what GPUs before Hopper get, on a Hopper GPU (see the docstring)
 PRE_HOPPER = {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "8.0"}
 PRE_HOPPER_SHARED_MEM = 99 * 1024          # an L4's shared memory per block, the least of Colab's Ampere and Ada GPUs
+# --as-t4: the course's choices for a T4, on a newer GPU (see the docstring)
+AS_T4 = {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "7.5"}
+T4_SHARED_MEM = 64 * 1024
 EXTRA_ENV: dict[str, str] = {}             # set by main() from the flags, passed to every child process
 
 
@@ -90,9 +101,9 @@ def child_env() -> dict:
 
 
 def mode_env(args) -> dict[str, str]:
-    """The environment the flags ask for: --pre-hopper, --max-shared-mem."""
-    env = dict(PRE_HOPPER) if args.pre_hopper else {}
-    smem = args.max_shared_mem or (PRE_HOPPER_SHARED_MEM if args.pre_hopper else None)
+    """The environment the flags ask for: --pre-hopper, --as-t4, --max-shared-mem."""
+    env = dict(AS_T4) if args.as_t4 else dict(PRE_HOPPER) if args.pre_hopper else {}
+    smem = args.max_shared_mem or (T4_SHARED_MEM if args.as_t4 else PRE_HOPPER_SHARED_MEM if args.pre_hopper else None)
     if smem:
         env["KC_MAX_SHARED_MEM"] = str(smem)
     return env
@@ -203,10 +214,15 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--pre-hopper", action="store_true",
                     help="on a Hopper GPU, check the paths of GPUs before Hopper: mma.sync instead of wgmma "
                          "(DISABLE_MMA_V3=1), compute capability 8.0 for the course's choices, an L4's shared memory")
+    ap.add_argument("--as-t4", action="store_true",
+                    help="check the course's choices for a T4 on this GPU: compute capability 7.5 (float16 for "
+                         "bfloat16, the pointer attention), a T4's 64 KB of shared memory, mma.sync instead of wgmma")
     ap.add_argument("--max-shared-mem", type=int, metavar="BYTES",
                     help="shared memory per block that Triton and the autotune pruners may use (65536: a T4's); "
-                         f"--pre-hopper's default is {PRE_HOPPER_SHARED_MEM}")
+                         f"--pre-hopper's default is {PRE_HOPPER_SHARED_MEM}, --as-t4's {T4_SHARED_MEM}")
     args = ap.parse_args(argv)
+    if args.as_t4 and args.pre_hopper:
+        ap.error("--as-t4 and --pre-hopper: pick one (--as-t4 already takes the pre-Hopper code paths)")
     if args.max_shared_mem is not None and args.max_shared_mem < 16 * 1024:
         ap.error(f"--max-shared-mem {args.max_shared_mem}: every GPU the course supports has at least 64 KB (65536)")
     return args
