@@ -299,6 +299,7 @@ def test_no_course_code_asks_torch_whether_bf16_is_supported():
     """torch.cuda.is_bf16_supported() says True on a T4, whose bfloat16 is emulated: what the course runs in
     bfloat16 asks kc.world().has_bf16 (compute capability 8.0 or newer, KC_MAX_CAPABILITY honoured)."""
     root = Path(__file__).resolve().parent.parent
-    files = [*(root / "src").rglob("*.py"), *(root / "solutions").glob("*.ipynb"), *(root / "exercises").glob("*.ipynb")]
+    files = [*(root / "src").rglob("*.py"), *(root / "notebooks").glob("*.ipynb"), *(root / "solutions").glob("*.ipynb"),
+             *(root / "exercises").glob("*.ipynb")]
     asking = [str(f.relative_to(root)) for f in files if "is_bf16_supported(" in f.read_text(encoding="utf-8")]
     assert not asking, asking
