@@ -18,11 +18,12 @@ OLDEST_VENV := .venv-oldest
 # one, else python3. It never builds .venv: a GPU machine's own Python, offline, is enough.
 GPU_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(or $(wildcard $(BIN)/python),$(PYTHON)))
 
-.PHONY: help install book test test-latest test-oldest gpu-check lab mywork grade exercises stamp clean
+.PHONY: help install book test test-seeds test-latest test-oldest gpu-check lab mywork grade exercises stamp clean
 
 help:
 	@echo "make book       build the website into _build/html"
 	@echo "make test       everything CI checks"
+	@echo "make test-seeds    the grader tests on other drawn cases (SEEDS=\"1 2 3\", else five random seeds)"
 	@echo "make test-latest   make test on the newest releases of $(NEWEST), in $(LATEST_VENV)"
 	@echo "make test-oldest   make test on the oldest releases the course supports ($(OLDEST_PINS)), in $(OLDEST_VENV)"
 	@echo "make gpu-check  on a CUDA GPU: unit tests, every notebook, every grade; one summary table"
@@ -59,6 +60,15 @@ test: $(INSTALLED)
 		--nbval-cell-timeout=600 -q
 	@$(BUILD_SITE)
 	$(BIN)/python tools/check_site.py
+
+# The grader tests on SEEDS="1 2 3" (five random seeds when not given; `make test` uses one fixed seed), to
+# find a check or a hint that holds for some drawn cases and not for others. The failing seed is printed.
+test-seeds: $(INSTALLED)
+	@for s in $(or $(SEEDS),$$($(BIN)/python -c 'import random; print(*random.sample(range(1, 10**6), 5))')); do \
+		echo "KC_GRADE_SEED=$$s"; \
+		KC_GRADE_SEED=$$s $(BIN)/python -m pytest -q -x tests/test_grading_ch0*.py tests/test_speed_exercises.py \
+			|| { echo "failed with KC_GRADE_SEED=$$s"; exit 1; }; \
+	done
 
 # The second CI job: the same checks on the newest release of each library in NEWEST (requirements.txt's
 # other lines as they are), in a virtual environment of its own. CI passes the CPU index of PyTorch.
