@@ -12,7 +12,8 @@ A tour, from the bottom up; each module imports only modules listed before it
 (tests/test_imports.py checks it, layer by layer):
 
 - ``world``: which machine this is (GPU or CPU), ``setup()``, versions. ``bench``: timing, and the
-  GPU results recorded for readers without one. ``plots``: the lessons' shared figures.
+  GPU results recorded for readers without one. ``plots``: the lessons' shared figures. ``launch``: a
+  compiled Triton kernel launched directly, for the lean launchers (chapter 09).
 - ``cuda_cpp`` (CUDA C++, chapter 01), ``roofline``, ``ledger``, ``targets``: tools a lesson uses.
 - ``kernels``, ``attention``, ``attention_backward``, ``transformer``, ``losses``: the course's finished
   kernels, one module per chapter, each a reference for the lesson that builds it, and each one a
@@ -26,9 +27,9 @@ import importlib
 from .world import World, setup, world
 
 __version__ = "0.1.0"
-__all__ = ["World", "setup", "world", "attention", "attention_backward", "bench", "cuda_cpp", "grading", "hf", "kernels", "ledger", "losses", "plots", "roofline", "targets", "transformer"]
+__all__ = ["World", "setup", "world", "attention", "attention_backward", "bench", "cuda_cpp", "grading", "hf", "kernels", "launch", "ledger", "losses", "plots", "roofline", "targets", "transformer"]
 
-_LAZY = {"attention", "attention_backward", "bench", "cuda_cpp", "grading", "hf", "kernels", "ledger", "losses", "plots", "roofline", "targets", "transformer"}
+_LAZY = {"attention", "attention_backward", "bench", "cuda_cpp", "grading", "hf", "kernels", "launch", "ledger", "losses", "plots", "roofline", "targets", "transformer"}
 
 
 def __getattr__(name):

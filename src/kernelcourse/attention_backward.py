@@ -37,6 +37,7 @@ from .attention import (INTERPRETER_CONFIG, LOG2E, _TUNING, _chosen, _config, _d
                         _forward, _key, _key_range, _launch_tuned, _new_output, _plans, _scale, _smem_bytes,
                         _smem_estimate, attention_flops, capability, causal_mask, causal_query_range, causal_visible,
                         check_inputs, default_version, flash_attention, longest_first)
+from .launch import direct, specialization
 from .world import world
 
 __all__ = ["attention_backward_ref", "tiled_attention_backward_ref", "attention_backward_flops",
@@ -520,10 +521,11 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sdo[0], sdo[1], sdo[2])
     if plan is not None:
         pre_grid, pre_kw, dkdv_grid, dkdv_kw, dq_grid, dq_kw, tuned = plan
-        _PRE.run(o, do, delta, H, n_q, so[0], so[1], so[2], grid=pre_grid, warmup=False, **pre_kw)
-        _DKDV.run(q, k, v, do, lse, delta, dk, dv, scale, H, n_q, n_k, *strides, grid=dkdv_grid, warmup=False,
-                  **dkdv_kw)
-        _DQ.run(q, k, v, do, lse, delta, dq, scale, H, n_q, n_k, *strides, grid=dq_grid, warmup=False, **dq_kw)
+        # the plan fixes the sizes and constexprs; the layouts and the pointers' alignment can still vary
+        spec = key + so + strides + specialization(q, k, v, o, do, lse)
+        direct(_PRE, spec, pre_grid, (o, do, delta, H, n_q, so[0], so[1], so[2]), pre_kw)
+        direct(_DKDV, spec, dkdv_grid, (q, k, v, do, lse, delta, dk, dv, scale, H, n_q, n_k, *strides), dkdv_kw)
+        direct(_DQ, spec, dq_grid, (q, k, v, do, lse, delta, dq, scale, H, n_q, n_k, *strides), dq_kw)
         if tuned:
             _chosen.update(tuned)                # what tuned_configs() reports
         return dq, dk, dv

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .bench import gpu_time_for_autotune
+from .launch import direct, specialization
 from .world import device_capability, gpu_properties, world
 
 __all__ = ["add", "softmax", "residual_layer_norm", "matmul", "grouped_tile", "softmax_num_warps",
@@ -337,8 +338,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str = "", config: dict 
 # kernel of a few microseconds that is most of the call. The lean paths below compute the same thing
 # (tests/test_ops_rows.py checks they agree bit for bit): the first call for a shape key runs the readable
 # launcher (on a GPU its autotuner picks the configuration), records the launch options it used in a dict,
-# and every later call is a dict lookup, the output's allocation and one ``kernel[grid](...)`` with the
-# grid as a tuple.
+# and every later call is a dict lookup, the output's allocation and one launch of the compiled kernel
+# itself (``kernelcourse.launch.direct``: no argument binding or cache lookup by Triton on each call).
 
 _LAUNCH: dict = {}  # (launcher, shape key) -> launch options that the readable launcher used
 
@@ -370,10 +371,12 @@ def softmax_lean(x: torch.Tensor) -> torch.Tensor:
         return y
     kernel, several_rows, meta = opts
     y = torch.empty_like(x)
+    spec = key + specialization(x, y, n_rows, x.stride(0), y.stride(0))  # what the key leaves free
     if several_rows:
-        kernel[(triton.cdiv(n_rows, meta["ROWS"]),)](x, y, n_rows, n_cols, x.stride(0), y.stride(0), **meta)
+        direct(kernel, spec, (triton.cdiv(n_rows, meta["ROWS"]),), (x, y, n_rows, n_cols, x.stride(0), y.stride(0)),
+               meta)
     else:
-        kernel[(n_rows,)](x, y, n_cols, x.stride(0), y.stride(0), **meta)
+        direct(kernel, spec, (n_rows,), (x, y, n_cols, x.stride(0), y.stride(0)), meta)
     return y
 
 
@@ -393,7 +396,8 @@ def residual_layer_norm_lean(x, r, weight, bias, eps: float = 1e-5, activation: 
     x, r = x.contiguous(), r.contiguous()
     y = torch.empty_like(x)
     h = torch.empty_like(x)
-    residual_layer_norm_kernel[(n_rows,)](x, r, weight, bias, y, h, n_cols, x.stride(0), eps, **meta)
+    spec = key + specialization(x, r, weight, bias, y, h, x.stride(0))  # what the key leaves free
+    direct(residual_layer_norm_kernel, spec, (n_rows,), (x, r, weight, bias, y, h, n_cols, x.stride(0), eps), meta)
     return y, h
 
 
@@ -412,8 +416,9 @@ def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch
         return c
     cfg, grid = opts
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
-    matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                        ACTIVATION=activation, **cfg)
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    spec = key + (activation,) + specialization(a, b, c, *strides)  # what the key leaves free
+    direct(matmul_kernel, spec, grid, (a, b, c, M, N, K, *strides), {"ACTIVATION": activation, **cfg})
     return c
 
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import bench, kernels
+from .launch import direct, specialization
 from .world import gpu_properties, low_precision_dtype, world
 
 __all__ = ["layer_norm_backward_kernel", "column_sum_kernel", "layer_norm_backward", "layer_norm_backward_ref",
@@ -214,10 +215,15 @@ def layer_norm_backward_lean(h, weight, dy, dres=None, eps: float = 1e-5):
     dx = torch.empty_like(h)
     part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
     has_dres = dres is not None
-    layer_norm_backward_kernel[(programs,)](h, dy, dres.contiguous() if has_dres else dx, weight, dx, part, n_rows,
-                                            n_cols, h.stride(0), eps, HAS_DRES=has_dres, **meta)
+    dres = dres.contiguous() if has_dres else dx
+    # the key fixes the sizes; the dtypes, the alignment and the row stride are what it leaves free
+    spec = (key + (h.dtype, dy.dtype, dres.dtype, weight.dtype, has_dres)
+            + specialization(h, dy, dres, weight, h.stride(0)))
+    direct(layer_norm_backward_kernel, spec, (programs,),
+           (h, dy, dres, weight, dx, part, n_rows, n_cols, h.stride(0), eps), {"HAS_DRES": has_dres, **meta})
     dwdb = torch.empty((2, n_cols), device=h.device, dtype=weight.dtype)
-    column_sum_kernel[sum_grid](part, dwdb, programs, 2 * n_cols, 2 * n_cols, BLOCK_P=32, BLOCK_N=64)
+    direct(column_sum_kernel, key + (weight.dtype,), sum_grid, (part, dwdb, programs, 2 * n_cols, 2 * n_cols),
+           {"BLOCK_P": 32, "BLOCK_N": 64})
     return dx, dwdb
 
 
