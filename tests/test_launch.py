@@ -120,3 +120,24 @@ def test_another_key_or_a_launch_hook_goes_through_triton(gpu_driver, monkeypatc
         monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
     launch.direct(k, ("key",) + launch.specialization(x), (1,), (x, x, 64, 1.0), {"BLOCK": 64})
     assert len(k.runs) == 3 and not k.compiled.run.calls           # a profiler's hook sees every launch
+
+
+@pytest.mark.skipif(not kc.world().gpu, reason="a direct launch needs a compiled kernel: a CUDA GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_launched_directly_is_bit_for_bit_the_first_launch(causal):
+    """Forward and backward, three times each at one shape: the first works out the plan, the second
+    launches through Triton and keeps the compiled kernels, the third launches them directly."""
+    from kernelcourse import attention_backward as kcb
+
+    launch.DIRECT.clear()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
+    runs = []
+    for _ in range(3):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        o = kcb.attention(qs, ks, vs, causal=causal)
+        o.backward(do)
+        runs.append((o.detach(), qs.grad, ks.grad, vs.grad))
+    assert len({key for kernel, key in launch.DIRECT}) >= 2, "the direct path was not taken"
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))

@@ -10,6 +10,7 @@ import kernelcourse as kc
 from kernelcourse import attention as kca
 from kernelcourse import attention_backward as kcb
 from kernelcourse import kernels as K
+from kernelcourse import launch
 from kernelcourse import transformer as T
 from kernelcourse.world import low_precision_dtype
 
@@ -27,10 +28,12 @@ def _dev():
 
 def _twice(fn, *args):
     """The lean path's first call goes through the readable launcher and records its options; the second
-    is the lean launch itself. Both are returned."""
+    is the lean launch, through Triton's launch, which keeps the compiled kernel; the third launches that
+    compiled kernel directly (on a GPU: ``kernelcourse.launch``). All three are returned."""
     K._LAUNCH.clear()
     T._LN_BACKWARD.clear()
-    return fn(*args), fn(*args)
+    launch.DIRECT.clear()
+    return fn(*args), fn(*args), fn(*args)
 
 
 @pytest.mark.parametrize("rows, cols", [(7, 37), (33, 300), (5, 1000)])  # several rows per program, one
