@@ -167,8 +167,14 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 import kernelcourse.attention_backward as AB
 
-if not os.path.exists(get_ptxas(90).path):
+try:
+    ptxas = get_ptxas(90)  # Triton 3.5 and newer pick a ptxas per architecture
+except TypeError:
+    ptxas = get_ptxas()    # Triton 3.4: one ptxas
+if not os.path.exists(ptxas.path):
     sys.exit("no ptxas")
+if not hasattr(triton.knobs.nvidia, "dump_ptxas_log"):
+    sys.exit("no ptxas log")  # TRITON_DUMP_PTXAS_LOG came with Triton 3.5
 fn = getattr(AB, sys.argv[3])
 while not isinstance(fn, triton.runtime.JITFunction):  # under triton.heuristics
     fn = fn.fn
@@ -215,6 +221,8 @@ def test_backward_kernels_compiled_for_hopper_keep_their_matmuls_asynchronous(tm
                          capture_output=True, text=True, env=env, timeout=300)
     if run.returncode != 0 and run.stderr.strip().endswith("no ptxas"):
         pytest.skip("this Triton has no ptxas")
+    if run.returncode != 0 and run.stderr.strip().endswith("no ptxas log"):
+        pytest.skip("this Triton does not print ptxas's log (TRITON_DUMP_PTXAS_LOG, Triton 3.5 and newer)")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Used" in run.stdout, run.stdout[-2000:]               # ptxas ran and reported its registers
     assert "serialized" not in run.stdout, run.stdout[-2000:]
