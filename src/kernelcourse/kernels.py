@@ -371,7 +371,7 @@ def softmax_lean(x: torch.Tensor) -> torch.Tensor:
         return y
     kernel, several_rows, meta = opts
     y = torch.empty_like(x)
-    spec = key + specialization(x, y, n_rows, x.stride(0), y.stride(0))  # what the key leaves free
+    spec = key + (x.get_device(),) + specialization(x, y, n_rows, x.stride(0), y.stride(0))  # what the key leaves
     if several_rows:
         direct(kernel, spec, (triton.cdiv(n_rows, meta["ROWS"]),), (x, y, n_rows, n_cols, x.stride(0), y.stride(0)),
                meta)
@@ -396,7 +396,7 @@ def residual_layer_norm_lean(x, r, weight, bias, eps: float = 1e-5, activation: 
     x, r = x.contiguous(), r.contiguous()
     y = torch.empty_like(x)
     h = torch.empty_like(x)
-    spec = key + specialization(x, r, weight, bias, y, h, x.stride(0))  # what the key leaves free
+    spec = key + (x.get_device(),) + specialization(x, r, weight, bias, y, h, x.stride(0))  # what the key leaves
     direct(residual_layer_norm_kernel, spec, (n_rows,), (x, r, weight, bias, y, h, n_cols, x.stride(0), eps), meta)
     return y, h
 
@@ -417,7 +417,7 @@ def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch
     cfg, grid = opts
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    spec = key + (activation,) + specialization(a, b, c, *strides)  # what the key leaves free
+    spec = key + (a.get_device(), activation) + specialization(a, b, c, *strides)  # what the key leaves free
     direct(matmul_kernel, spec, grid, (a, b, c, M, N, K, *strides), {"ACTIVATION": activation, **cfg})
     return c
 

@@ -79,7 +79,8 @@ def direct(kernel, key: tuple, grid: tuple, args: tuple, consts: dict) -> None:
 
     ``kernel`` is a ``triton.jit`` function (not an autotuner); ``args`` are its leading arguments, in
     order; ``consts`` its constexprs and launch options (num_warps, num_stages); ``key`` must determine
-    the grid's meaning and every specialisation (see ``specialization``) of the compiled kernel.
+    the device, the constexprs and every specialisation (see ``specialization``) of the compiled kernel:
+    a compiled kernel is loaded on one GPU.
     """
     entry = DIRECT.get((kernel, key))
     if entry is None or _hooked():
