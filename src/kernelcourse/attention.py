@@ -599,7 +599,7 @@ def _properties_of(device_index: int) -> dict:
 def _device_properties() -> dict:
     """Triton's properties of the current GPU (``max_shared_mem``: bytes of shared memory per block),
     asked once per GPU (``world.gpu_properties``), and ``fma_dot``: whether Triton makes scalar FMA of
-    tl.dot there, which changes what a tile takes in shared memory (``_smem_bytes``)."""
+    tl.dot there, which changes what a tile takes in shared memory (``_smem_estimate``)."""
     return _properties_of(torch.cuda.current_device())
 
 
