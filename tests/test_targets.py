@@ -237,43 +237,41 @@ def test_every_candidate_the_pruners_keep_fits_the_target(cc, d):
                           pool_b, budget, lambda c: A._smem_estimate(fma)(c, d, resident, 2))
 
 
+def _t4_tiles(d: int) -> list[tuple]:
+    """(kernel, config, its other constexprs) of every tile the three attention pruners keep on a T4 (64 KB,
+    an FMA tl.dot) at head dim ``d``: the forward a T4 runs (version 2), dK/dV and dQ."""
+    budget, shape = T.COLAB_GPUS[75].smem_per_block, {"N_Q": 4096, "N_K": 4096, "HEAD_DIM": d}
+    pruned = ((A.flash_attention_v2_kernel, lambda: A._prune(A._POINTER_CONFIGS, {"N_Q": 4096}, HEAD_DIM=d), {}),
+              (AB.attention_bwd_dkdv_kernel, lambda: AB._pruner("kv")(AB.DKDV_CONFIGS, shape), {"EVEN_M": True}),
+              (AB.attention_bwd_dq_kernel, lambda: AB._pruner("q")(AB.DQ_CONFIGS, shape), {}))
+    return [(kernel, c, extra) for kernel, prune, extra in pruned for c in _with_smem(budget, prune, True)]
+
+
+def _t4_lowerings(d: int, tiles: list[tuple]) -> list:
+    """Each tile compiled for sm_75 at head dim ``d``, causal."""
+    return T.lowerings([dict(kernel=kernel, cc=75, types=FP32, num_warps=c.num_warps, num_stages=c.num_stages,
+                             constexprs=dict(HEAD_DIM=d, BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"],
+                                             CAUSAL=True, **extra))
+                        for kernel, c, extra in tiles])
+
+
 @pytest.mark.skipif(not FULL, reason="some 40 FMA kernels to compile, minutes: KC_TARGETS_FULL=1")
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_every_tile_a_t4_keeps_compiles_to_fit_it(d):
     """The FMA estimate is an upper bound where it matters: every candidate the three pruners keep on a
     T4, compiled for sm_75, fits its 64 KB (the fixture above compiles only the largest, at d = 64)."""
-    budget = T.COLAB_GPUS[75].smem_per_block
-    jobs, names = [], []
-    for kernel, kept, extra in (
-            (A.flash_attention_v2_kernel, _with_smem(budget, lambda: A._prune(A._POINTER_CONFIGS, {"N_Q": 4096},
-                                                                               HEAD_DIM=d), True), {}),
-            (AB.attention_bwd_dkdv_kernel, _with_smem(budget, lambda: AB._pruner("kv")(
-                AB.DKDV_CONFIGS, {"N_Q": 4096, "N_K": 4096, "HEAD_DIM": d}), True), {"EVEN_M": True}),
-            (AB.attention_bwd_dq_kernel, _with_smem(budget, lambda: AB._pruner("q")(
-                AB.DQ_CONFIGS, {"N_Q": 4096, "N_K": 4096, "HEAD_DIM": d}), True), {})):
-        for c in kept:
-            jobs.append(dict(kernel=kernel, cc=75, types=FP32, num_warps=c.num_warps, num_stages=c.num_stages,
-                             constexprs=dict(HEAD_DIM=d, BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"],
-                                             CAUSAL=True, **extra)))
-            names.append(f"{kernel.__name__ if hasattr(kernel, '__name__') else kernel.fn.__name__} {A._key(c)}")
-    misfits = [f"{name}: {low.shared} bytes" for name, low in zip(names, T.lowerings(jobs)) if not low.fits]
+    tiles = _t4_tiles(d)
+    misfits = [f"{T._jit_function(kernel).fn.__name__} {A._key(c)}: {low.shared} bytes"
+               for (kernel, c, _), low in zip(tiles, _t4_lowerings(d, tiles)) if not low.fits]
     assert not misfits, misfits
 
 
 def test_at_d_256_a_t4_runs_the_smallest_tiles():
     """d = 256 on a T4: the pruners' estimates (upper bounds) keep the backward's 16 x 16 tiles, and no forward
     tile, so the forward falls back to its smallest, 32 x 32. Compiled for sm_75, each fits the 64 KB."""
-    budget = T.COLAB_GPUS[75].smem_per_block
-    fwd = _with_smem(budget, lambda: A._prune(A._POINTER_CONFIGS, {"N_Q": 4096}, HEAD_DIM=256), True)
-    dkdv = _with_smem(budget, lambda: AB._pruner("kv")(AB.DKDV_CONFIGS, {"N_Q": 4096, "N_K": 4096, "HEAD_DIM": 256}), True)
-    dq = _with_smem(budget, lambda: AB._pruner("q")(AB.DQ_CONFIGS, {"N_Q": 4096, "N_K": 4096, "HEAD_DIM": 256}), True)
-    assert [A._key(c)[:2] for c in fwd + dkdv + dq] == [(32, 32), (16, 16), (16, 16)]
-    jobs = [dict(kernel=kernel, cc=75, types=FP32, num_warps=c.num_warps, num_stages=c.num_stages,
-                 constexprs=dict(HEAD_DIM=256, BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"], CAUSAL=True, **extra))
-            for kernel, c, extra in ((A.flash_attention_v2_kernel, fwd[0], {}),
-                                     (AB.attention_bwd_dkdv_kernel, dkdv[0], {"EVEN_M": True}),
-                                     (AB.attention_bwd_dq_kernel, dq[0], {}))]
-    for low, which in zip(T.lowerings(jobs), ("forward", "dK/dV", "dQ")):
+    tiles = _t4_tiles(256)
+    assert [A._key(c)[:2] for _, c, _ in tiles] == [(32, 32), (16, 16), (16, 16)]
+    for low, which in zip(_t4_lowerings(256, tiles), ("forward", "dK/dV", "dQ")):
         assert low.unit == "fma" and low.fits, f"{which} at d = 256 on sm_75: {low.shared} bytes, {low.counts}"
 
 

@@ -591,16 +591,12 @@ def _smem_estimate(fma: bool):
     return _smem_bytes_fma if fma else _smem_bytes
 
 
-@functools.cache
-def _properties_of(device_index: int) -> dict:
-    return {**gpu_properties(device_index), "fma_dot": device_capability(device_index) < (8, 0)}
-
-
 def _device_properties() -> dict:
     """Triton's properties of the current GPU (``max_shared_mem``: bytes of shared memory per block),
     asked once per GPU (``world.gpu_properties``), and ``fma_dot``: whether Triton makes scalar FMA of
     tl.dot there, which changes what a tile takes in shared memory (``_smem_estimate``)."""
-    return _properties_of(torch.cuda.current_device())
+    index = torch.cuda.current_device()
+    return {**gpu_properties(index), "fma_dot": _capability_of(index) < (8, 0)}
 
 
 @functools.cache
