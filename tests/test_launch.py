@@ -31,7 +31,7 @@ def test_the_key_holds_what_triton_specialises_on():
     assert s(1) == (1,) and s(32) == (16,) and s(7) == (0,) and s(0) == (16,)
     assert s(2**33) == (80,) and s(2**33 + 1) == (64,)           # 64-bit, and divisible by 16 or not
     assert s(0.5, None, True) == (None, None, None)              # floats, None and bools: not specialised
-    x = torch.zeros(64)
+    x = torch.randn(64)
     assert s(x, x[1:], x[4:]) == (True, False, True)             # 16-byte alignment of the address
     assert s(x, 48, x[1:]) != s(x, 48, x)
 
@@ -94,7 +94,7 @@ def gpu_driver(monkeypatch):
 
 def test_the_first_call_launches_through_triton_and_the_next_ones_directly(gpu_driver):
     k = _Kernel()
-    x, y = torch.zeros(8), torch.zeros(8)
+    x, y = torch.randn(8), torch.randn(8)
     consts = {"BLOCK": 128, "num_warps": 4}
     launch.direct(k, ("key",), (3,), (x, y, 300, 2.0), consts)
     assert len(k.runs) == 1 and not k.compiled.run.calls
@@ -108,7 +108,7 @@ def test_the_first_call_launches_through_triton_and_the_next_ones_directly(gpu_d
 
 def test_another_key_or_a_launch_hook_goes_through_triton(gpu_driver, monkeypatch):
     k = _Kernel()
-    x = torch.zeros(64)
+    x = torch.randn(64)
     launch.direct(k, ("key",) + launch.specialization(x), (1,), (x, x, 64, 1.0), {"BLOCK": 64})
     launch.direct(k, ("key",) + launch.specialization(x[1:]), (1,), (x[1:], x, 63, 1.0), {"BLOCK": 64})
     assert len(k.runs) == 2                                        # a misaligned pointer: another compiled kernel
@@ -120,6 +120,15 @@ def test_another_key_or_a_launch_hook_goes_through_triton(gpu_driver, monkeypatc
         monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
     launch.direct(k, ("key",) + launch.specialization(x), (1,), (x, x, 64, 1.0), {"BLOCK": 64})
     assert len(k.runs) == 3 and not k.compiled.run.calls           # a profiler's hook sees every launch
+
+
+def test_kc_direct_launch_0_launches_through_triton_every_time(gpu_driver, monkeypatch):
+    monkeypatch.setattr(launch, "ENABLED", False)
+    k = _Kernel()
+    x = torch.randn(64)
+    for _ in range(3):
+        launch.direct(k, ("key",), (1,), (x, x, 64, 1.0), {"BLOCK": 64})
+    assert len(k.runs) == 3 and not k.compiled.run.calls and not launch.DIRECT
 
 
 @pytest.mark.skipif(not kc.world().gpu, reason="a direct launch needs a compiled kernel: a CUDA GPU")

@@ -15,17 +15,20 @@ could come from a kernel compiled for other arguments, so the key is built with 
 
 The first call of a key goes through ``kernel.run`` (which compiles, or finds the kernel in Triton's own
 cache) and keeps the compiled kernel. Launch hooks (a profiler such as Proton sets them) and Triton's
-interpreter take the ordinary path every time.
+interpreter take the ordinary path every time, and so does every launch while the environment variable
+``KC_DIRECT_LAUNCH`` is ``0`` (read at import): the baseline the direct launch is measured against.
 """
 from __future__ import annotations
 
 import inspect
+import os
 
 import triton
 
 __all__ = ["specialization", "direct", "DIRECT"]
 
 DIRECT: dict = {}  # (kernel, key) -> _Compiled
+ENABLED = os.environ.get("KC_DIRECT_LAUNCH", "1") != "0"
 
 
 def specialization(*values) -> tuple:
@@ -82,10 +85,10 @@ def direct(kernel, key: tuple, grid: tuple, args: tuple, consts: dict) -> None:
     the device, the constexprs and every specialisation (see ``specialization``) of the compiled kernel:
     a compiled kernel is loaded on one GPU.
     """
-    entry = DIRECT.get((kernel, key))
+    entry = DIRECT.get((kernel, key)) if ENABLED else None
     if entry is None or _hooked():
         compiled = kernel.run(*args, grid=grid, warmup=False, **consts)
-        if entry is None and compiled is not None and hasattr(compiled, "packed_metadata"):
+        if ENABLED and entry is None and compiled is not None and hasattr(compiled, "packed_metadata"):
             DIRECT[(kernel, key)] = _Compiled(compiled, _tail(kernel, len(args), consts))
         return
     g = tuple(grid) + (1, 1)
