@@ -854,7 +854,7 @@ def grade_causal_speed(report: Report, causal_attention_kernel):
     # (0.51x of the work); CAUSAL_VS_FULL = 0.7 leaves room for the masked diagonal tiles and timing noise,
     # while a kernel that computes every tile under a mask takes about 1x (and version 1's speed, which a
     # faster inner loop can beat by 1.3x without skipping anything, does not enter).
-    from . import _median_ms
+    from .speed import _median_ms
 
     q2, o2 = torch.cat([q, q], dim=1), torch.empty(heads, 2 * n, d, device="cuda", dtype=torch.float16)
     grid2 = (2 * n // SPEED_TILES["BLOCK_M"], heads)
