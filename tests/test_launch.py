@@ -43,7 +43,9 @@ def test_the_tail_is_the_constexprs_in_order_with_their_defaults():
     assert names[4:] == ["BLOCK", "TWICE"]
 
 
-def test_on_the_cpu_it_is_the_ordinary_launch():
+@pytest.mark.skipif(kc.world().gpu, reason="the interpreter's path: on a GPU the bit-for-bit test below runs instead")
+def test_on_the_cpu_it_is_the_ordinary_launch(monkeypatch):
+    monkeypatch.setattr(launch, "ENABLED", True)
     x = torch.randn(300)
     y = torch.empty_like(x)
     launch.direct(scale_kernel, ("cpu-test",), (3,), (x, y, 300, 2.0), {"BLOCK": 128, "TWICE": True})
@@ -90,6 +92,7 @@ def gpu_driver(monkeypatch):
                                "get_current_stream": staticmethod(lambda device: 1234)})()
     monkeypatch.setattr(driver, "_active" if hasattr(driver, "_active") else "active", fake)
     monkeypatch.setattr(launch, "DIRECT", {})
+    monkeypatch.setattr(launch, "ENABLED", True)
 
 
 def test_the_first_call_launches_through_triton_and_the_next_ones_directly(gpu_driver):
@@ -122,7 +125,7 @@ def test_another_key_or_a_launch_hook_goes_through_triton(gpu_driver, monkeypatc
     assert len(k.runs) == 3 and not k.compiled.run.calls           # a profiler's hook sees every launch
 
 
-def test_kc_direct_launch_0_launches_through_triton_every_time(gpu_driver, monkeypatch):
+def test_without_kc_direct_launch_every_launch_goes_through_triton(gpu_driver, monkeypatch):
     monkeypatch.setattr(launch, "ENABLED", False)
     k = _Kernel()
     x = torch.randn(64)
@@ -133,11 +136,12 @@ def test_kc_direct_launch_0_launches_through_triton_every_time(gpu_driver, monke
 
 @pytest.mark.skipif(not kc.world().gpu, reason="a direct launch needs a compiled kernel: a CUDA GPU")
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_launched_directly_is_bit_for_bit_the_first_launch(causal):
+def test_attention_launched_directly_is_bit_for_bit_the_first_launch(causal, monkeypatch):
     """Forward and backward, three times each at one shape: the first works out the plan, the second
     launches through Triton and keeps the compiled kernels, the third launches them directly."""
     from kernelcourse import attention_backward as kcb
 
+    monkeypatch.setattr(launch, "ENABLED", True)
     launch.DIRECT.clear()
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, do = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))

@@ -29,11 +29,15 @@ def _dev():
 def _twice(fn, *args):
     """The lean path's first call goes through the readable launcher and records its options; the second
     is the lean launch, through Triton's launch, which keeps the compiled kernel; the third launches that
-    compiled kernel directly (on a GPU: ``kernelcourse.launch``). All three are returned."""
+    compiled kernel directly (on a GPU: ``kernelcourse.launch``, switched on here). All three are returned."""
     K._LAUNCH.clear()
     T._LN_BACKWARD.clear()
     launch.DIRECT.clear()
-    return fn(*args), fn(*args), fn(*args)
+    enabled, launch.ENABLED = launch.ENABLED, True
+    try:
+        return fn(*args), fn(*args), fn(*args)
+    finally:
+        launch.ENABLED = enabled
 
 
 @pytest.mark.parametrize("rows, cols", [(7, 37), (33, 300), (5, 1000)])  # several rows per program, one

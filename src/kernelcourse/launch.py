@@ -15,8 +15,12 @@ could come from a kernel compiled for other arguments, so the key is built with 
 
 The first call of a key goes through ``kernel.run`` (which compiles, or finds the kernel in Triton's own
 cache) and keeps the compiled kernel. Launch hooks (a profiler such as Proton sets them) and Triton's
-interpreter take the ordinary path every time, and so does every launch while the environment variable
-``KC_DIRECT_LAUNCH`` is ``0`` (read at import): the baseline the direct launch is measured against.
+interpreter take the ordinary path every time.
+
+The direct launch is switched on by the environment variable ``KC_DIRECT_LAUNCH=1`` (read at import). Off,
+every launch goes through ``kernel.run``, as Triton's own launches do: it is what the lessons were measured
+with, and the baseline a direct launch is measured against (``KC_DIRECT_LAUNCH=1 python
+tools/launch_cost.py`` against the same command without it).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import triton
 __all__ = ["specialization", "direct", "DIRECT"]
 
 DIRECT: dict = {}  # (kernel, key) -> _Compiled
-ENABLED = os.environ.get("KC_DIRECT_LAUNCH", "1") != "0"
+ENABLED = os.environ.get("KC_DIRECT_LAUNCH", "0") == "1"
 
 
 def specialization(*values) -> tuple:
