@@ -13,7 +13,7 @@ A tour, from the bottom up; each module imports only modules listed before it
 
 - ``world``: which machine this is (GPU or CPU), ``setup()``, versions. ``bench``: timing, and the
   GPU results recorded for readers without one. ``plots``: the lessons' shared figures. ``launch``: a
-  compiled Triton kernel launched directly, for the lean launchers (chapter 09).
+  compiled Triton kernel launched directly, for the lean launchers (chapter 09; ``KC_DIRECT_LAUNCH=1``).
 - ``cuda_cpp`` (CUDA C++, chapter 01), ``roofline``, ``ledger``, ``targets``: tools a lesson uses.
 - ``kernels``, ``attention``, ``attention_backward``, ``transformer``, ``losses``: the course's finished
   kernels, one module per chapter, each a reference for the lesson that builds it, and each one a
