@@ -372,6 +372,69 @@ def test_08_5_rejects_partial_sums_kept_in_memory_on_every_machine():
     assert "LayerNorm backward at 16384 x 2048" not in text, text  # rejected before any timing
 
 
+@triton.jit
+def ln_backward_reading_back(h_ptr, dy_ptr, dres_ptr, w_ptr, dx_ptr, part_ptr, n_rows, n_cols, stride, eps,
+                             ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, HAS_DRES: tl.constexpr):
+    # a learner's kernel as written, no wrapper: right numbers, partial sums added up in memory row by row
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    part = part_ptr + pid * 2 * n_cols + cols
+    tl.store(part, tl.zeros((BLOCK,), dtype=tl.float32), mask=mask)
+    tl.store(part + n_cols, tl.zeros((BLOCK,), dtype=tl.float32), mask=mask)
+    for i in range(ROWS_PER_PROGRAM):
+        row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
+        m = mask & (row < n_rows)
+        h = tl.load(h_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+        mean = tl.sum(h, axis=0) / n_cols
+        d = tl.where(mask, h - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+        xhat = d * rstd
+        g = dy * w
+        dx = (g - (xhat * tl.sum(xhat * g, axis=0) / n_cols + tl.sum(g, axis=0) / n_cols)) * rstd
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride + cols, dx, mask=m)
+        tl.store(part, tl.load(part, mask=mask) + dy * xhat, mask=mask)
+        tl.store(part + n_cols, tl.load(part + n_cols, mask=mask) + dy, mask=mask)
+
+
+def test_08_5_rejects_a_plain_kernel_that_reads_its_partial_sums_back():
+    passed, text = grade("08.5", layer_norm_backward_kernel=ln_backward_reading_back)
+    assert not passed and "never reads" in text and "`part_ptr`" in text, text
+
+
+def test_08_5_reads_the_loads_from_every_variant_compiled_on_a_gpu():
+    """On a GPU the check reads the Triton IR of what the checks above compiled: from a JITFunction's
+    device caches (whose ``.kernel`` is None), or from the kernel a wrapper launches."""
+    from kernelcourse.grading.addresses import compiled_function, loads_in_compiled
+
+    reads = "%p = tt.addptr %part_ptr, %o : !tt.ptr<f32>, i32\n%q = tt.splat %p : !tt.ptr<f32> -> tensor<64x!tt.ptr<f32>>\n" \
+            "%r = tt.addptr %q, %cols : tensor<64x!tt.ptr<f32>>, tensor<64xi32>\n%v = tt.load %r, %mask : tensor<64x!tt.ptr<f32>>"
+    keeps = reads.replace("%v = tt.load %r", "tt.store %r, %acc")
+
+    class Compiled:
+        def __init__(self, ttir):
+            self.asm = {"ttir": ttir, "ptx": ""}
+
+    class Jit:  # what a launch leaves in a JITFunction
+        kernel = None
+        arg_names = ["h_ptr", "dy_ptr", "dres_ptr", "w_ptr", "dx_ptr", "part_ptr"]
+
+        def __init__(self, *ttirs):
+            self.device_caches = {0: ({i: Compiled(t) for i, t in enumerate(ttirs)}, None, None, None)}
+
+    class Wrapper:  # binds a constexpr, keeps the kernel it launches
+        def __init__(self, kernel):
+            self.kernel, self.fn = kernel, (lambda: None)
+
+    assert loads_in_compiled(Jit(keeps, reads), "part_ptr") == 1 and loads_in_compiled(Jit(keeps), "part_ptr") == 0
+    assert loads_in_compiled(Wrapper(Jit(reads)), "part_ptr") == 1 and loads_in_compiled(Jit(), "part_ptr") is None
+    assert compiled_function(Wrapper(Jit())).arg_names[5] == "part_ptr"
+
+
 def test_08_5_counts_loads_of_the_partial_sums_in_compiled_code():
     """The GPU's side of the check above, on this machine: Triton IR compiled for sm_90 (no GPU needed) of the
     course's kernel, the correct alternative and the one that reads its partial sums back."""

@@ -384,10 +384,9 @@ def partial_sums_stay_in_registers(report: Report, kernel, rng) -> bool:
     import torch
 
     from .. import transformer as T
-    from ..targets import _jit_function
-    from .addresses import loads_in_compiled, traffic
+    from .addresses import compiled_function, loads_in_compiled, traffic
 
-    fn = _jit_function(getattr(kernel, "kernel", kernel))
+    fn = compiled_function(kernel)
     names = list(getattr(fn, "arg_names", []))
     part = names[5] if len(names) > 5 else "part_ptr"  # the sixth argument, as the statement orders them
     if world().gpu:
