@@ -49,7 +49,7 @@ def make_dx_kernel(mistake=""):
             d = x - mean
         else:
             d = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + (1e-5 if MISTAKE == "own_eps" else eps))
         xhat = d * rstd
         g = dy if MISTAKE == "no_w" else dy * w
         if MISTAKE == "padding":
@@ -99,6 +99,7 @@ def test_08_1_accepts_correct():
     ("no_c2", "mean(g) term is missing"),
     ("padding", "is not 0 in the padding"),
     ("half_sum", "float32"),
+    ("own_eps", "use the eps argument"),
 ])
 def test_08_1_rejects_mistakes(mistake, hint):
     passed, text = grade("08.1", layer_norm_dx_kernel=make_dx_kernel(mistake))
@@ -318,7 +319,7 @@ def make_fused(mistake=""):
                 mean = tl.sum(h, axis=0) / n_cols
             dy = tl.load(dy_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
             d = tl.where(mask, h - mean, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + (1e-5 if MISTAKE == "own_eps" else eps))
             xhat = d * rstd
             g = dy * w
             dx = (g - (xhat * tl.sum(xhat * g, axis=0) / n_cols + tl.sum(g, axis=0) / n_cols)) * rstd
@@ -356,6 +357,7 @@ def test_08_5_accepts_correct():
     ("no_dres", "add dres"),
     ("last_row", "add up all of its rows"),
     ("half_sum", "float32"),
+    ("own_eps", "use the eps argument"),
 ])
 def test_08_5_rejects_mistakes(mistake, hint):
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
