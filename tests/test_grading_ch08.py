@@ -582,3 +582,36 @@ def test_08_6_rejects_pytorch_doing_the_work():
 
     passed, text = grade("08.6", cross_entropy_fwd_bwd=with_pytorch)
     assert not passed and "tensors as large as the logits" in text, text
+
+
+def test_08_6_draws_its_values_and_an_ignore_index_on_every_run(monkeypatch, tmp_path):
+    """A launcher that fixes ignore_index at a value it saw (-100, PyTorch's default) fails the case whose class id is
+    drawn; answers copied from one run answer nothing on the next (recorded through a file: on the CPU the grader
+    runs the function in a child process)."""
+    import pickle
+
+    launcher = ce_launcher()
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=lambda logits, target, ignore_index, BLOCK:
+                         launcher(logits, target, -100, BLOCK))
+    assert not passed and "ignore_index=" in text, text
+
+    book = tmp_path / "answers.pkl"
+
+    def recording(logits, target, ignore_index, BLOCK):
+        seen = pickle.loads(book.read_bytes()) if book.exists() else {}
+        loss, grad = launcher(logits, target, ignore_index, BLOCK)
+        seen[logits.cpu().numpy().tobytes()] = (loss.cpu(), grad.cpu())
+        book.write_bytes(pickle.dumps(seen))
+        return loss, grad
+
+    def copied(logits, target, ignore_index, BLOCK):
+        seen = pickle.loads(book.read_bytes())
+        loss, grad = seen.get(logits.cpu().numpy().tobytes(), next(iter(seen.values())))
+        return loss.to(logits.device), grad.to(logits.device)
+
+    monkeypatch.setenv("KC_GRADE_SEED", "11")
+    assert grade("08.6", cross_entropy_fwd_bwd=recording)[0]
+    assert grade("08.6", cross_entropy_fwd_bwd=copied)[0]  # the same run's cases: the copy answers them
+    monkeypatch.setenv("KC_GRADE_SEED", "12")
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=copied)
+    assert not passed, text
