@@ -307,25 +307,26 @@ def make_fused(mistake=""):
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         db = tl.zeros((BLOCK,), dtype=tl.float32)
         part = part_ptr + pid * 2 * n_cols + cols  # this program's partial dW, then its partial dB
+        rs = n_cols if MISTAKE == "packed" else stride  # "packed": rows taken to be n_cols apart
         for i in range(ROWS_PER_PROGRAM):
             row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
             m = mask & (row < n_rows)
-            h = tl.load(h_ptr + row * stride + cols, mask=m, other=0.0)
+            h = tl.load(h_ptr + row * rs + cols, mask=m, other=0.0)
             if MISTAKE == "half_sum":  # the row sum in the input's 16 bits, the rest in float32
                 mean = tl.sum(h, axis=0).to(tl.float32) / n_cols
                 h = h.to(tl.float32)
             else:
                 h = h.to(tl.float32)
                 mean = tl.sum(h, axis=0) / n_cols
-            dy = tl.load(dy_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * rs + cols, mask=m, other=0.0).to(tl.float32)
             d = tl.where(mask, h - mean, 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + (1e-5 if MISTAKE == "own_eps" else eps))
             xhat = d * rstd
             g = dy * w
             dx = (g - (xhat * tl.sum(xhat * g, axis=0) / n_cols + tl.sum(g, axis=0) / n_cols)) * rstd
             if HAS_DRES and MISTAKE != "no_dres":
-                dx += tl.load(dres_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(dx_ptr + row * stride + cols, dx, mask=m)
+                dx += tl.load(dres_ptr + row * rs + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * rs + cols, dx, mask=m)
             if MISTAKE == "last_row":
                 dw = dy * xhat
                 db = dy
@@ -358,6 +359,7 @@ def test_08_5_accepts_correct():
     ("last_row", "add up all of its rows"),
     ("half_sum", "float32"),
     ("own_eps", "use the eps argument"),
+    ("packed", "not r * n_cols"),
 ])
 def test_08_5_rejects_mistakes(mistake, hint):
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))

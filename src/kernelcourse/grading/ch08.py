@@ -361,6 +361,8 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
                     line += ": each program must add up all of its rows (dw += ...), not keep the last one"
             if not report.expect(ok, line, line):
                 return
+    if not rows_apart_by_their_stride(report, layer_norm_backward_kernel, rng, eps):
+        return
     # traffic a correct kernel never makes, whatever the speed of the GPU: reading its partial sums back
     if not partial_sums_stay_in_registers(report, layer_norm_backward_kernel, rng):
         return
@@ -382,6 +384,43 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     speed_vs_peers(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
                    lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
                    lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, KEEP_IN_REGISTERS)
+
+
+def rows_apart_by_their_stride(report: Report, kernel, rng, eps: float) -> bool:
+    """08.5 on rows further apart than n_cols: h, dy, dres and dx are views into wider tensors with one row stride
+    (the launcher above makes its inputs contiguous, so there the stride is always n_cols). Launched here directly."""
+    import torch
+    import triton
+
+    rows, cols, programs, pad = int(rng.integers(9, 20)), int(rng.integers(40, 90)), 3, int(rng.integers(3, 9))
+    h64 = rand(rng, (rows, cols)) + rng.uniform(-1, 1, (rows, 1))
+    dy64, dres64, w64 = rand(rng, (rows, cols)), rand(rng, (rows, cols)), rng.uniform(0.5, 1.5, cols)
+    _, h = framed(h64, "fp32", PAD, pad_cols=pad)
+    _, dy = framed(dy64, "fp32", PAD, pad_cols=pad)
+    _, dres = framed(dres64, "fp32", PAD, pad_cols=pad)
+    dx_full, dx = framed(np.full((rows, cols), POISON), "fp32", POISON, pad_cols=pad)
+    w = torch.from_numpy(w64).to(world().device, torch.float32)
+    rpp = -(-rows // programs)
+    programs = -(-rows // rpp)
+    part = torch.full((programs, 2 * cols), float("nan"), device=world().device, dtype=torch.float32)
+    what = f"{rows} x {cols}, rows {h.stride(0)} elements apart, {programs} programs, with dres"
+    if not launch(report, what, kernel, (programs,), h, dy, dres, w, dx, part, rows, cols, h.stride(0), eps,
+                  ROWS_PER_PROGRAM=rpp, BLOCK=triton.next_power_of_2(cols), HAS_DRES=True):
+        return False
+    h64, dy64, dres64, w64 = exact(h), exact(dy), exact(dres), exact(w)
+    xhat, _, _ = ln_parts64(h64, w64, dy64, eps)
+    got = {"dx": host(dx), "dw": host(part[:, :cols]).sum(0), "db": host(part[:, cols:]).sum(0)}
+    truths = {"dx": ln_dx64(h64, w64, dy64, eps) + dres64, "dw": (dy64 * xhat).sum(0), "db": dy64.sum(0)}
+    written_outside = outside_writes(POISON, dx_full, data_mask(dx_full.shape, rows, cols))
+    for key in ("dx", "dw", "db"):
+        ok, line = compare(got[key], truths[key], truths[key], what=f"{key}, {what}",
+                           rtol_floor=64 * float(np.finfo(np.float32).eps) * (1 if key == "dx" else rows))
+        if not ok or (key == "dx" and written_outside):
+            line = (f"{key}, {what}: wrong, where the rows of h, dy, dres and dx are views into wider tensors: "
+                    "address row r at ptr + r * stride (the stride argument), not r * n_cols")
+            return report.expect(False, "", line)
+    return report.expect(True, f"rows {h.stride(0)} elements apart (views into wider tensors): dx, dw and db match",
+                         "")
 
 
 KEEP_IN_REGISTERS = ("keep each program's partial dW and dB in registers across its rows (dw += dy * xhat) and "
