@@ -617,3 +617,15 @@ def test_08_6_draws_its_values_and_an_ignore_index_on_every_run(monkeypatch, tmp
     monkeypatch.setenv("KC_GRADE_SEED", "12")
     passed, text = grade("08.6", cross_entropy_fwd_bwd=copied)
     assert not passed, text
+
+
+def test_08_6_rejects_a_gradient_in_another_dtype():
+    """float16 logits, a float32 gradient: right values, twice the memory, and not what F.cross_entropy returns."""
+    launcher = ce_launcher()
+
+    def float32_grad(logits, target, ignore_index, BLOCK):
+        loss, grad = launcher(logits, target, ignore_index, BLOCK)
+        return loss, grad.float()
+
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=float32_grad)
+    assert not passed and "allocate it in the logits' dtype" in text, text

@@ -537,6 +537,10 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             if not hasattr(grad, "shape") or tuple(grad.shape) != (rows, V):
                 return report.fail(f"{what}: the gradient has shape {tuple(getattr(grad, 'shape', ()))}, "
                                    f"expected ({rows}, {V}), one value per logit")
+            if getattr(grad, "dtype", logits.dtype) != logits.dtype:
+                return report.fail(f"{what}: the gradient is {grad.dtype}, the logits {logits.dtype}: allocate it in the "
+                                   "logits' dtype (torch.empty_like(logits)), as F.cross_entropy's is; the kernel "
+                                   "computes in float32 and converts when it stores")
             n_valid, count_all = int(valid.sum()), rows
             # float32 rounds a row's loss at the scale of its log-sum-exp (logits near 1000: a kernel that forms
             # m + log(s) before subtracting the target's logit is right and rounds at 1000), not of the loss
