@@ -34,8 +34,11 @@ def make_dx_kernel(mistake=""):
     @triton.jit
     def layer_norm_dx_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, n_cols, stride, eps, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+        # "block_64", "block_256": the BLOCK of one of the grader's launches written in, the argument ignored
+        cols = tl.arange(0, 64 if MISTAKE == "block_64" else 256 if MISTAKE == "block_256" else BLOCK)
         mask = cols < n_cols
+        if MISTAKE == "packed":  # rows taken to be n_cols apart, the stride argument ignored
+            stride = n_cols
         x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0)
         if MISTAKE == "half_sum":  # the row sum in the input's 16 bits, the rest in float32
             mean = tl.sum(x, axis=0).to(tl.float32) / n_cols
@@ -106,6 +109,20 @@ def test_08_1_rejects_mistakes(mistake, hint):
     assert not passed and hint in text, text
 
 
+@pytest.mark.parametrize("mistake", ["block_64", "block_256"])
+def test_08_1_rejects_a_block_of_its_own(mistake):
+    """A kernel that covers the columns of one of the grader's launches (64 or 256 written in, BLOCK ignored): right
+    on rows that fit, and rows longer than 1,024 (BLOCK 2048) show it on the CPU too."""
+    passed, text = grade("08.1", layer_norm_dx_kernel=make_dx_kernel(mistake))
+    assert not passed and "were never written: a program covers the BLOCK columns the launch passes" in text, text
+
+
+def test_08_1_rejects_rows_taken_n_cols_apart():
+    """x, dy and dx are views into wider tensors: a kernel that addresses row r at r * n_cols, not r * stride."""
+    passed, text = grade("08.1", layer_norm_dx_kernel=make_dx_kernel("packed"))
+    assert not passed and "use the row stride" in text, text
+
+
 def test_08_1_rejects_a_plain_function():
     passed, text = grade("08.1", layer_norm_dx_kernel=lambda *a: None)
     assert not passed and "@triton.jit" in text, text
@@ -119,6 +136,8 @@ def make_column_sum(mistake=""):
     def column_sum_kernel(part_ptr, out_ptr, n_parts, n_cols, stride, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                           MISTAKE: tl.constexpr):
         pid = tl.program_id(0)
+        if MISTAKE == "packed":  # rows taken to be n_cols apart, the stride argument ignored
+            stride = n_cols
         if MISTAKE == "fixed_block":  # 32 columns a program, whatever BLOCK_N the launch passes
             cols = pid * 32 + tl.arange(0, 32)
             cmask = cols < n_cols
@@ -173,6 +192,13 @@ def test_08_2_accepts_correct():
 def test_08_2_rejects_mistakes(mistake, hint):
     passed, text = grade("08.2", column_sum_kernel=make_column_sum(mistake))
     assert not passed and hint in text, text
+
+
+def test_08_2_rejects_rows_taken_n_cols_apart():
+    """part is a view into a wider tensor: a kernel that addresses row r at r * n_cols, not r * stride, adds up the
+    wrong elements (the ends of the rows, finite here, among them); it was told NaN came from rows past n_parts."""
+    passed, text = grade("08.2", column_sum_kernel=make_column_sum("packed"))
+    assert not passed and "address row r at part_ptr + r * stride" in text and "rows past n_parts" not in text, text
 
 
 # ---- 08.3 FLOPs and bytes ----------------------------------------------------------------------------

@@ -64,6 +64,17 @@ def _dx_mistakes(x, w, dy, block, eps=EPS):
     ]
 
 
+def columns_never_written(got: np.ndarray) -> int | None:
+    """The first column from which on no element of any row was written (all hold the poison) while every
+    element before it was: what a kernel leaves that covers fewer columns than the BLOCK it was launched with."""
+    unwritten = got == np.asarray(POISON, dtype=got.dtype)
+    empty = unwritten.all(axis=0)
+    if got.ndim != 2 or not empty.any():
+        return None
+    first = int(np.argmax(empty))
+    return first if first > 0 and empty[first:].all() and not unwritten[:, :first].any() else None
+
+
 # ---- 08.1 LayerNorm backward: dX -----------------------------------------------------------------
 
 
@@ -75,9 +86,11 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
     rng = fresh_rng(report)
     eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # float16 rows share a large offset: their sum in float16 loses the digits that x - mean keeps, so a
-    # kernel that computes the statistics in 16 bits is visibly wrong; BLOCK is sometimes wider than needed
+    # kernel that computes the statistics in 16 bits is visibly wrong; BLOCK is sometimes wider than needed, and
+    # rows longer than 1,024 take a BLOCK wider than any a kernel might write in
     for rows, cols, dtype, wide in sizes([(5, 37, "fp32", False), (3, 128, "fp32", True), (4, 200, "fp32", False),
-                                          (4, int(rng.integers(40, 100)), "fp16", False)],
+                                          (4, int(rng.integers(40, 100)), "fp16", False),
+                                          (2, int(rng.integers(1025, 1500)), "fp32", False)],
                                          [(513, 768, "fp32", False), (64, 3000, "fp32", False), (64, 1000, "fp16", True)]):
         block = (1 << (cols - 1).bit_length()) * (2 if wide else 1)
         for seed in (0, 1):
@@ -107,6 +120,10 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
             ref = ref.astype(got.dtype).astype(np.float64)
             floor = 8 * float(np.finfo(np.float32).eps) if dtype == "fp32" else rounding_floor(got.dtype)
             ok, line = compare(got, truth, ref, what=f"dX, {what}", rtol_floor=floor, dtype=got.dtype)
+            if not ok and (first := columns_never_written(got)) is not None:
+                line += (f": columns {first} to {cols - 1} of every row were never written: a program covers the "
+                         f"BLOCK columns the launch passes (BLOCK={block} here; the grader varies it), "
+                         "tl.arange(0, BLOCK), not a number of your own")
             if not ok and "never written" not in line:
                 hint = diagnose(got, _dx_mistakes(xs, ws, dys, block, eps), tolerance(truth, ref, got.dtype))
                 if hint is None and dtype == "fp16":
@@ -131,7 +148,9 @@ def grade_column_sum(report: Report, column_sum_kernel):
             # the grader picks the block sizes, some that no statement shows: the kernel must use its arguments
             BLOCK_P, BLOCK_N = (16, 32) if seed == 0 else (int(rng.choice([4, 8, 32])), int(rng.choice([64, 128])))
             p64 = rand(rng, (n_parts, n_cols))
-            _, part = framed(p64, "fp32", NAN, pad_rows=BLOCK_P, pad_cols=5)
+            part_full, part = framed(p64, "fp32", NAN, pad_rows=BLOCK_P, pad_cols=5)
+            part_full[:n_parts, n_cols:] = PAD  # rows past n_parts are NaN; the end of each row finite, to be named
+            packed = host(part_full).reshape(-1)[:n_parts * n_cols].reshape(n_parts, n_cols).astype(np.float64)
             out_full, out = framed(np.full(n_cols, POISON), "fp32", POISON)
             what = f"{n_parts} partial sums of {n_cols} columns, BLOCK_P={BLOCK_P}, BLOCK_N={BLOCK_N}"
             grid = (-(-n_cols // BLOCK_N),)
@@ -158,6 +177,9 @@ def grade_column_sum(report: Report, column_sum_kernel):
                     line += ": only the first BLOCK_P rows were added: loop over all n_parts rows, BLOCK_P at a time"
                 elif n_parts > 1 and np.allclose(got, ps[-((n_parts - 1) % BLOCK_P + 1):].sum(0), rtol=1e-4, atol=1e-4):
                     line += ": the accumulator is overwritten in each step of the loop: add to it (acc += ...)"
+                elif np.allclose(got, packed.sum(0), rtol=1e-4, atol=1e-4):
+                    line += (f": the rows of part are `stride` elements apart ({part.stride(0)} here, a view into a "
+                             "wider tensor), not n_cols: address row r at part_ptr + r * stride")
             if not report.expect(ok, line, line):
                 return
 
