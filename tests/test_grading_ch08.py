@@ -311,11 +311,61 @@ def test_08_4_rejects_mistakes(dominant, idle, hint):
     assert not passed and hint in text, text
 
 
+def idle_from_zero(events):
+    # right busy time (intervals merged), but the span measured from time 0, not from the first kernel's start
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, covered_to = 0.0, iv[0][0]
+    for s, t in iv:
+        busy += max(0.0, t - max(s, covered_to))
+        covered_to = max(covered_to, t)
+    return 1 - busy / covered_to
+
+
+def test_08_4_rejects_a_span_measured_from_0():
+    passed, text = grade("08.4", dominant_kernel=dominant_ok, idle_share=idle_from_zero)
+    assert not passed and "the span runs from the first kernel's start, not from 0" in text, text
+
+
+def test_08_4_draws_its_synthetic_trace_on_every_run(monkeypatch):
+    """Answers copied from one run (a table keyed by the trace, what a learner who pasted the grader's
+    numbers submits) fail the next: the synthetic trace is drawn afresh. It was fixed, and a three-entry table
+    passed."""
+    import json
+
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    monkeypatch.delenv("KC_GRADE_SEED", raising=False)
+    dominant, dominant_table = memorised(lambda key: dominant_ok(json.loads(key)), default=("small_add_kernel", 0.5))
+    idle, idle_table = memorised(lambda key: idle_ok(json.loads(key)), default=0.5)
+    key = lambda events: json.dumps(events, sort_keys=True)  # noqa: E731
+    assert grade("08.4", dominant_kernel=lambda ev: dominant(key(ev)), idle_share=lambda ev: idle(key(ev)))[0]
+    passed, text = grade("08.4", dominant_kernel=lambda ev: dominant_table(key(ev)),
+                         idle_share=lambda ev: idle_table(key(ev)))
+    assert not passed and "the synthetic trace" in text and "KC_GRADE_SEED=" in text, text
+
+
 def test_synthetic_trace_answers():
     ev = ch08.synthetic_trace()
     assert T.by_kernel(ev)[0]["kernel"] == "small_add_kernel"
     g = T.gpu_idle(ev)
     assert g["busy_us"] == 6 * 20 + 130 and g["span_us"] == 420 - 100
+
+
+def test_drawn_synthetic_traces_keep_what_they_teach():
+    """Whatever the draw: many short calls beat the longest single call, the copy overlaps the gemm's end, the first
+    kernel starts after 0, and counted with the CPU's events a name that is no kernel would win."""
+    import numpy as np
+
+    for seed in range(200):
+        ev = ch08.synthetic_trace(np.random.default_rng(seed))
+        kernels = {e["name"]: e for e in ev if e["cat"] == "kernel"}
+        assert T.by_kernel(ev)[0]["kernel"] == "small_add_kernel" == dominant_ok(ev)[0]
+        assert longest_call(ev)[0] == "big_gemm_kernel"
+        gemm, copy = kernels["big_gemm_kernel"], kernels["side_stream_copy"]
+        assert gemm["ts"] < copy["ts"] < gemm["ts"] + gemm["dur"] < copy["ts"] + copy["dur"]
+        assert min(e["ts"] for e in ev if e["cat"] == "kernel") > 0
+        assert all_events(ev)[0] in ("forward", "cudaLaunchKernel")
+        assert abs(idle_ok(ev) - T.gpu_idle(ev)["idle_share"]) < 1e-9
+        assert abs(idle_naive(ev) - idle_ok(ev)) > 1e-2 and abs(idle_from_zero(ev) - idle_ok(ev)) > 1e-2
 
 
 # ---- 08.5 fused backward ---------------------------------------------------------------------------------

@@ -237,19 +237,32 @@ def _expect_number(report, what, got, want, hints) -> bool:
 # ---- 08.4 reading a profiler trace --------------------------------------------------------------
 
 
-def synthetic_trace() -> list[dict]:
+def synthetic_trace(rng=None) -> list[dict]:
     """A small trace with known answers: a name launched often with short kernels beats the longest
     single kernel, runtime calls that must not count as GPU time, two overlapping kernels, and a
-    first kernel that does not start at 0."""
+    first kernel that does not start at 0. With ``rng``, its counts, times and durations are drawn (the
+    grader's, fresh on every run, so that no table of answers fits it); without, the fixed one below."""
+    if rng is None:
+        n, t0, small, gap, before_big, big, side_after, side, tail = 6, 100.0, 20.0, 10.0, 10.0, 100.0, 50.0, 80.0, 180.0
+    else:
+        n, small = int(rng.integers(4, 10)), round(float(rng.uniform(10, 30)), 1)
+        t0, gap, before_big = (round(float(rng.uniform(*r)), 1) for r in ((30, 300), (5, 15), (5, 20)))
+        big = round(float(rng.uniform(0.4, 0.8)) * n * small, 1)  # the longest call, less than the small ones' sum
+        # the copy starts inside the gemm and ends after it, as in the fixed trace, and is shorter than it
+        after = float(rng.uniform(0.3, 0.8))
+        side_after, side = round(after * big, 1), round((1 - after + float(rng.uniform(0.05, 0.2))) * big, 1)
+        tail = round(float(rng.uniform(20, 100)), 1)
     ev = [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 400.0}]
-    t = 100.0
-    for i in range(6):
-        ev.append({"cat": "kernel", "name": "small_add_kernel", "ts": t, "dur": 20.0})
+    t = t0
+    for i in range(n):
+        ev.append({"cat": "kernel", "name": "small_add_kernel", "ts": t, "dur": small})
         ev.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t - 5, "dur": 4.0})
-        t += 30.0
-    ev.append({"cat": "kernel", "name": "big_gemm_kernel", "ts": t + 10, "dur": 100.0})
-    ev.append({"cat": "kernel", "name": "side_stream_copy", "ts": t + 60, "dur": 80.0})  # overlaps the gemm
-    ev.append({"cat": "user_annotation", "name": "forward", "ts": 0.0, "dur": 600.0})
+        t = round(t + small + gap, 1)
+    ev.append({"cat": "kernel", "name": "big_gemm_kernel", "ts": t + before_big, "dur": big})
+    # the copy starts while the gemm runs (another stream): the two overlap
+    ev.append({"cat": "kernel", "name": "side_stream_copy", "ts": t + before_big + side_after, "dur": side})
+    ev.append({"cat": "user_annotation", "name": "forward", "ts": 0.0,
+               "dur": round(t + before_big + side_after + side + tail, 1)})
     return ev
 
 
@@ -260,7 +273,8 @@ def grade_trace(report: Report, dominant_kernel, idle_share):
     from .. import bench
     from .. import transformer as T
 
-    traces = [("the synthetic trace", synthetic_trace())]
+    rng = fresh_rng(report)  # the synthetic trace's counts and times, drawn fresh on every run
+    traces = [("the synthetic trace", synthetic_trace(rng))]
     for name in ("08_trace_course", "08_trace_eager"):
         try:
             traces.append((f"the recorded trace {name}", bench.load(name).rows))
