@@ -396,9 +396,12 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
             return report.fail(f"{what}: {hint or explain(exc)}")
         if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
             return report.fail(f"{what}: wrote outside C (is matmul_kernel the one from exercise 05.2, masks and all?)")
-        got = host(c)
-        passed, line = compare(got, exact(a) @ exact(b), matmul_reference(a, b), what=what,
-                               rtol_floor=rounding_floor(got.dtype))
+        got, A, B = host(c), exact(a), exact(b)
+        truth, reference = A @ B, matmul_reference(a, b)
+        passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+        if not passed and "never written" not in line and "stub" not in line:  # K % BLOCK_K is 7: a tail to miss
+            hint = diagnose(got, _k_mistakes(A, B, K, bk), tolerance(truth, reference, got.dtype))
+            line += f": {hint}" if hint else ""
         if not report.expect(passed, line, line + " (matmul_kernel is exercise 05.2's: pass its grader first)"):
             return
 
