@@ -377,16 +377,17 @@ def make_fused(mistake=""):
                                    ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, HAS_DRES: tl.constexpr,
                                    MISTAKE: tl.constexpr):
         pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
+        cols = tl.arange(0, 256 if MISTAKE == "block_256" else BLOCK)  # "block_256": a BLOCK of its own
         mask = cols < n_cols
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        db = tl.zeros((BLOCK,), dtype=tl.float32)
+        dw = tl.zeros_like(w)
+        db = tl.zeros_like(w)
         part = part_ptr + pid * 2 * n_cols + cols  # this program's partial dW, then its partial dB
         rs = n_cols if MISTAKE == "packed" else stride  # "packed": rows taken to be n_cols apart
-        for i in range(ROWS_PER_PROGRAM):
-            row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
-            m = mask & (row < n_rows)
+        # "rows_3": the ROWS_PER_PROGRAM of the grader's first launch (7 rows on 3 programs) written in
+        for i in range(3 if MISTAKE == "rows_3" else ROWS_PER_PROGRAM):
+            row = (pid * (3 if MISTAKE == "rows_3" else ROWS_PER_PROGRAM) + i).to(tl.int64)
+            m = mask if MISTAKE == "no_row_mask" else mask & (row < n_rows)  # "no_row_mask": the last rows run past
             h = tl.load(h_ptr + row * rs + cols, mask=m, other=0.0)
             if MISTAKE == "half_sum":  # the row sum in the input's 16 bits, the rest in float32
                 mean = tl.sum(h, axis=0).to(tl.float32) / n_cols
@@ -440,6 +441,25 @@ def test_08_5_accepts_correct():
 def test_08_5_rejects_mistakes(mistake, hint):
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
     assert not passed and hint in text, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("rows_3", "the number the launch passes"),  # 3 rows a program, the grader's first launch's: rows are skipped
+    ("block_256", "a program covers the BLOCK columns the launch passes"),  # right on rows of up to 256
+])
+def test_08_5_rejects_launch_parameters_of_its_own(mistake, hint):
+    """On the CPU no case had more than 256 columns, so block_256 passed, and only the drawn ones could have more than
+    3 rows a program, so rows_3 passed on some runs and failed on others with the stride check's hint. A case of 10
+    to 16 rows a program and more than 1,024 columns now shows both, each with its hint."""
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
+    assert not passed and hint in text, text
+
+
+@pytest.mark.skipif(kc.world().gpu, reason="the address check runs in Triton's interpreter")
+def test_08_5_rejects_rows_past_n_rows_unmasked():
+    """The last program's rows run past n_rows: a kernel that masks columns only reads and writes past h and dx."""
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused("no_row_mask"))
+    assert not passed and "past the end of `h_ptr`" in text and "its mask must be False" in text, text
 
 
 def test_08_5_rejects_partial_sums_kept_in_memory_on_every_machine():

@@ -339,11 +339,13 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     rng = fresh_rng(report)
     eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # float16 cases (the interpreter has no bfloat16) share a large offset: statistics summed in 16 bits lose
-    # the digits that x - mean keeps; the number of programs, and so the rows each one takes, varies
+    # the digits that x - mean keeps; the number of programs, and so the rows each one takes, varies (up to 10
+    # to 16 rows a program, of more than 1,024 columns: no ROWS_PER_PROGRAM or BLOCK written in covers them all)
     for rows, cols, programs, with_dres, dtype in sizes(
             [(7, 37, 3, False, "fp32"), (10, 64, 4, True, "fp32"), (5, 200, 5, True, "fp32"),
              (int(rng.integers(5, 12)), int(rng.integers(40, 100)), int(rng.integers(2, 5)), bool(rng.integers(2)),
-              "fp16")],
+              "fp16"),
+             (int(rng.integers(19, 32)), int(rng.integers(1025, 1300)), 2, True, "fp32")],
             [(8192, 768, None, True, "fp32"), (1000, 3000, None, False, "fp32"), (4096, 1000, None, True, "fp16")]):
         dt = torch.float16 if dtype == "fp16" else torch.float32
         h64 = rand(rng, (rows, cols), (1.0,)) + rng.uniform(250, 350) if dtype == "fp16" else \
@@ -384,6 +386,12 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
                 usual = ln_dx64(h64, w64, dy64, USUAL_EPS) + (exact(dres) if with_dres else 0.0)
                 if np.abs(g - usual).max() < 0.1 * np.abs(g - truths[key]).max():
                     line += f": {own_eps_hint(eps)}"
+            if not ok and key == "dx" and programs and (hint := rows_skipped(g, truths[key], rows, programs)):
+                line += f": {hint}"
+            elif not ok and key == "dx" and programs and cols > 1024 and "never written" not in line:
+                line += (f": rows longer than 1,024 elements are launched with BLOCK = {1 << (cols - 1).bit_length()}: "
+                         "a program covers the BLOCK columns the launch passes, tl.arange(0, BLOCK), not a number of "
+                         "your own")
             if not ok and key == "dx" and with_dres and compare(g, truths[key] - exact(dres), refs[key] - exact(dres),
                                                                 what="", rtol_floor=1e-5)[0]:
                 line += ": add dres (the gradient flowing past the LayerNorm) to dX when HAS_DRES"
@@ -420,6 +428,22 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     speed_vs_peers(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
                    lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
                    lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, KEEP_IN_REGISTERS)
+
+
+def rows_skipped(got, truth, rows: int, programs: int) -> str | None:
+    """08.5's hint when whole rows of dX are wrong and the others right, in the pattern of a kernel that takes
+    fewer rows per program than the launch's ROWS_PER_PROGRAM (a number of its own in the loop, or in the row
+    index too), or None."""
+    rpp = -(-rows // programs)
+    programs = -(-rows // rpp)
+    wrong = ~np.isclose(got, truth, rtol=1e-3, atol=1e-3 * float(np.abs(truth).max())).all(axis=1)
+    r = np.arange(rows)
+    if not any((wrong == (r % rpp >= k)).all() or (wrong == (r >= k * programs)).all() for k in range(1, rpp)):
+        return None
+    bad = np.flatnonzero(wrong)
+    return (f"rows {', '.join(map(str, bad[:4]))}{', ...' if bad.size > 4 else ''} are wrong, the others right: program pid "
+            f"takes the ROWS_PER_PROGRAM rows from pid * ROWS_PER_PROGRAM on, the number the launch passes ({rpp} "
+            "here; the grader varies it), not a number of your own")
 
 
 def rows_apart_by_their_stride(report: Report, kernel, rng, eps: float) -> bool:
