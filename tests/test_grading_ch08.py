@@ -590,14 +590,14 @@ def ce_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, n_cols, stride_x, stri
     if MISTAKE == "no_max":
         m = 0.0
     else:
-        for start in range(0, n_cols, BLOCK):
+        for start in range(0, n_cols, 1024 if MISTAKE == "step_1024" else BLOCK):
             if MISTAKE == "unmasked":
                 x = tl.load(x_row + start + cols).to(tl.float32)
             else:
                 x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=-float("inf")).to(tl.float32)
             m = tl.maximum(m, tl.max(x, axis=0))
     d = 0.0
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, n_cols, 1024 if MISTAKE == "step_1024" else BLOCK):
         if MISTAKE == "unmasked":
             x = tl.load(x_row + start + cols).to(tl.float32)
         else:
@@ -611,7 +611,7 @@ def ce_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, n_cols, stride_x, stri
     scale = tl.where(valid, 1.0 / n_valid, 0.0)
     if MISTAKE == "grad_not_divided":
         scale = tl.where(valid, 1.0, 0.0)
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, n_cols, 1024 if MISTAKE == "step_1024" else BLOCK):
         mask = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp(x - m) / d
@@ -627,7 +627,8 @@ def ce_launcher(mistake=""):
         n_valid = n_rows if mistake == "count_all_rows" else int((target != ignore_index).sum())
         grad = torch.empty_like(logits)
         loss = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
-        ce_kernel[(n_rows,)](logits, grad, target, loss, n_cols, logits.stride(0), grad.stride(0), ignore_index,
+        stride_x = n_cols if mistake == "packed" else logits.stride(0)  # "packed": rows taken to be n_cols apart
+        ce_kernel[(n_rows,)](logits, grad, target, loss, n_cols, stride_x, grad.stride(0), ignore_index,
                              n_valid, BLOCK=BLOCK, MISTAKE=mistake)
         return loss.sum() / n_valid, grad
     return cross_entropy_fwd_bwd
@@ -657,6 +658,19 @@ def test_08_6_rejects_wrong(mistake, hint):
     passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher(mistake))
     assert not passed
     assert hint in text, text
+
+
+def test_08_6_rejects_a_step_of_its_own():
+    """A kernel that loads the BLOCK columns the launch passes but steps over the row by 1024, the launcher's default:
+    right at BLOCK=1024, columns skipped at the grader's 256."""
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher("step_1024"))
+    assert not passed and "step over the row by the BLOCK the launch passes" in text, text
+
+
+def test_08_6_rejects_rows_taken_n_cols_apart():
+    """The logits are a view into a wider tensor: a launcher that passes n_cols for their row stride."""
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher("packed"))
+    assert not passed and "pass logits.stride(0) and address row r at r * stride" in text, text
 
 
 def test_08_6_stub_and_kernel_instead_of_launcher_fail():

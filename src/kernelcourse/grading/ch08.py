@@ -567,7 +567,7 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             target[0] = ignore_index
         for block in blocks:
             # logits: a view into a wider tensor whose extra columns hold a finite pad
-            _, logits = framed(data, dtype, PAD, pad_rows=1, pad_cols=max(blocks) + 3)
+            logits_full, logits = framed(data, dtype, PAD, pad_rows=1, pad_cols=max(blocks) + 3)
             tgt = torch.from_numpy(target).to(dev)
             xs = exact(logits)
             loss64, grad64, lse64, valid = cross_entropy64(xs, target, ignore_index)
@@ -613,6 +613,14 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                 elif math.isclose(loss, loss64 * n_valid / count_all, rel_tol=1e-3):
                     hint = ("the mean is over the rows that are not ignored: divide by the number of targets "
                             "!= ignore_index, not by the number of rows")
+                elif math.isclose(loss, cross_entropy64(host(logits_full).astype(np.float64).reshape(-1)[:rows * V]
+                                                        .reshape(rows, V), target, ignore_index)[0], rel_tol=1e-3):
+                    hint = (f"the rows of the logits are {logits.stride(0)} elements apart here (a view into a wider "
+                            "tensor), not n_cols: pass logits.stride(0) and address row r at r * stride")
+                elif block < V and math.isclose(loss, _loss_of_first_columns(xs, target, valid, block), rel_tol=1e-3):
+                    hint = (f"only the first {block} columns of each row got into the log-sum-exp: step over the row by "
+                            "the BLOCK the launch passes (the grader varies it), for start in range(0, n_cols, BLOCK), "
+                            "loading tl.arange(0, BLOCK) at each step")
                 else:
                     hint = ("the loss of a row is logsumexp(x) - x[target], 0 for an ignored row; the mean divides "
                             "their sum by the number of rows not ignored")
@@ -653,6 +661,16 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                     line += f": {hint}"
             if not report.expect(ok, line, line):
                 return
+
+
+def _loss_of_first_columns(x, target, valid, block: int) -> float:
+    """08.6's mean loss with each row's log-sum-exp taken over its first ``block`` columns only: what a kernel
+    computes that steps over the row by more than the BLOCK it loads (a step of its own)."""
+    first = x[:, :block]
+    m = first.max(axis=1)
+    lse = m + np.log(np.exp(first - m[:, None]).sum(axis=1))
+    rows = np.flatnonzero(valid)
+    return float((lse[rows] - x[rows, target[rows]]).sum() / max(rows.size, 1))
 
 
 def _LargeTensors(numel: int):
