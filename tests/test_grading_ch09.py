@@ -17,7 +17,7 @@ import triton.language as tl
 import kernelcourse as kc
 from kernelcourse import grading
 from kernelcourse.grading import ch09
-from tests.helpers import grade
+from tests.helpers import grade, memorised
 
 
 
@@ -225,6 +225,20 @@ def test_09_2_measurement_without_warm_up_is_rejected():
 
     passed, text = grade("09.2", cpu_us_per_call=no_warm_up, step_time=step_time, gpu_idle_share=gpu_idle_share)
     assert not passed and "before you start the clock" in text, text
+
+
+def test_09_2_cases_are_fresh_every_run(monkeypatch):
+    """A table of one run's step times and idle shares (keyed by the calls' times) fails the next run: its three
+    steps of many calls are drawn afresh."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    monkeypatch.delenv("KC_GRADE_SEED", raising=False)
+    times, times_table = memorised(lambda c, g: step_time(list(c), list(g)))
+    idle, idle_table = memorised(lambda c, g: gpu_idle_share(list(c), list(g)), default=0.5)
+    assert grade("09.2", cpu_us_per_call=cpu_us_per_call, step_time=lambda c, g: times(tuple(c), tuple(g)),
+                 gpu_idle_share=lambda c, g: idle(tuple(c), tuple(g)))[0]
+    passed, text = grade("09.2", cpu_us_per_call=cpu_us_per_call, step_time=lambda c, g: times_table(tuple(c), tuple(g)),
+                         gpu_idle_share=lambda c, g: idle_table(tuple(c), tuple(g)))
+    assert not passed and "step_time(a mixed step of" in text and "KC_GRADE_SEED=" in text, text
 
 
 def test_09_2_seconds_are_not_microseconds():
