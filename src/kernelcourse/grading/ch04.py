@@ -388,9 +388,10 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
         passed, line = compare_rows(got, truth, reference, what, nonfinite=(
             "x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32))"))
         if not passed and got.shape == truth.shape and (short := _first_columns_only(got, xs, ws, eps)):
-            return report.fail(f"{what}: only the first {short} values of each row were normalised (a BLOCK of "
-                               f"{short}, whatever n_cols is): choose BLOCK from n_cols, triton.next_power_of_2(n_cols), "
-                               "so that a tile row covers the whole row; the grader's rows are not all 64 or 128 wide")
+            return report.fail(f"{what}: only the first {short} values of each row were normalised (a BLOCK "
+                               f"of {short}, whatever n_cols is): choose BLOCK from n_cols, "
+                               "triton.next_power_of_2(n_cols), so that a tile row covers the whole row; the "
+                               "grader's rows are not all 64 or 128 wide")
         if not passed and got.shape == truth.shape and np.allclose(got.astype(np.float64), rms_norm64(xs, ws, USUAL_EPS),
                                                                     rtol=1e-2, atol=1e-3):
             line += f": {own_eps_hint(eps)}"
