@@ -105,18 +105,18 @@ def _check(kind: str, ptrs, mask, itemsize: int, masked: bool) -> None:
 
 
 @contextmanager
-def checked():
-    """Check every load and store of Triton kernels launched in the interpreter while this is active.
-
-    Does nothing where Triton is not running in its interpreter (on a GPU, use compute-sanitizer).
-    """
+def _watching(on_launch, on_access):
+    """While active, ``on_launch(executor, args, kwargs)`` runs as each kernel is launched in Triton's interpreter
+    (its host-side arguments), and ``on_access(kind, ptrs, mask, itemsize, masked)`` before each of its
+    ``tl.load`` and ``tl.store`` ("load" or "store"; ``mask`` None for an unmasked one). Yields whether the
+    interpreter is there to watch."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
+        yield False
         return
     try:
         from triton.runtime import interpreter as ti
-    except Exception:  # no Triton: nothing to check
-        yield
+    except Exception:  # no Triton: nothing to watch
+        yield False
         return
     cls, grid = ti.InterpreterBuilder, ti.GridExecutor
     saved = {name: getattr(cls, name) for name in ("create_load", "create_store", "create_masked_load",
@@ -125,38 +125,59 @@ def checked():
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = saved_init(self, args_dev, kwargs)
-        _launch_tensors[:] = _tensors(self.arg_names, args_hst, kwargs_hst)
+        on_launch(self, args_hst, kwargs_hst)
         return args_hst, kwargs_hst
 
     def itemsize(ptrs) -> int:
         return np.dtype(ti._get_np_dtype(ptrs.get_element_ty())).itemsize
 
     def create_load(self, ptr, *args, **kwargs):
-        _check("load", ptr.data, None, itemsize(ptr), masked=False)
+        on_access("load", ptr.data, None, itemsize(ptr), False)
         return saved["create_load"](self, ptr, *args, **kwargs)
 
     def create_store(self, ptr, *args, **kwargs):
-        _check("store", ptr.data, None, itemsize(ptr), masked=False)
+        on_access("store", ptr.data, None, itemsize(ptr), False)
         return saved["create_store"](self, ptr, *args, **kwargs)
 
     def create_masked_load(self, ptrs, mask, *args, **kwargs):
-        _check("load", ptrs.data, mask.data, itemsize(ptrs), masked=True)
+        on_access("load", ptrs.data, mask.data, itemsize(ptrs), True)
         return saved["create_masked_load"](self, ptrs, mask, *args, **kwargs)
 
     def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
-        _check("store", ptrs.data, mask.data, itemsize(ptrs), masked=True)
+        on_access("store", ptrs.data, mask.data, itemsize(ptrs), True)
         return saved["create_masked_store"](self, ptrs, value, mask, *args, **kwargs)
 
     cls.create_load, cls.create_store = create_load, create_store
     cls.create_masked_load, cls.create_masked_store = create_masked_load, create_masked_store
     grid._init_args_hst = init_args
     try:
-        yield
+        yield True
     finally:
         for name, fn in saved.items():
             setattr(cls, name, fn)
         grid._init_args_hst = saved_init
+
+
+@contextmanager
+def checked():
+    """Check every load and store of Triton kernels launched in the interpreter while this is active.
+
+    Does nothing where Triton is not running in its interpreter (on a GPU, use compute-sanitizer).
+    """
+    def on_launch(executor, args, kwargs):
+        _launch_tensors[:] = _tensors(executor.arg_names, args, kwargs)
+
+    def on_access(kind, ptrs, mask, itemsize, masked):
+        _check(kind, ptrs, mask, itemsize, masked=masked)
+
+    try:
+        with _watching(on_launch, on_access):
+            yield
+    finally:
         _launch_tensors.clear()
+
+
+# ---- memory traffic --------------------------------------------------------------------------------
 
 
 @contextmanager
@@ -169,28 +190,17 @@ def traffic():
     What a grader reads it for: memory traffic a correct kernel never makes (a load of its own partial
     sums, say), visible here whatever the speed of the machine.
     """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield None
-        return
     from collections import Counter
-
-    from triton.runtime import interpreter as ti
 
     counts: Counter = Counter()
     tensors: list[tuple[str, int, int]] = []
     kernel = [""]  # the name of the kernel running
-    cls, grid = ti.InterpreterBuilder, ti.GridExecutor
-    saved = {name: getattr(cls, name) for name in ("create_load", "create_store", "create_masked_load",
-                                                     "create_masked_store")}
-    saved_init = grid._init_args_hst
 
-    def init_args(self, args_dev, kwargs):
-        args_hst, kwargs_hst = saved_init(self, args_dev, kwargs)
-        tensors[:] = _tensors(self.arg_names, args_hst, kwargs_hst)
-        kernel[0] = getattr(self.fn, "__name__", "")
-        return args_hst, kwargs_hst
+    def on_launch(executor, args, kwargs):
+        tensors[:] = _tensors(executor.arg_names, args, kwargs)
+        kernel[0] = getattr(executor.fn, "__name__", "")
 
-    def count(kind, ptrs, mask):
+    def on_access(kind, ptrs, mask, itemsize, masked):
         p = np.asarray(ptrs).astype(np.uint64, copy=False).ravel()
         if mask is not None:
             p = p[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).ravel()]
@@ -199,31 +209,8 @@ def traffic():
             if n:
                 counts[(kernel[0], name, kind)] += n
 
-    def create_load(self, ptr, *args, **kwargs):
-        count("load", ptr.data, None)
-        return saved["create_load"](self, ptr, *args, **kwargs)
-
-    def create_store(self, ptr, *args, **kwargs):
-        count("store", ptr.data, None)
-        return saved["create_store"](self, ptr, *args, **kwargs)
-
-    def create_masked_load(self, ptrs, mask, *args, **kwargs):
-        count("load", ptrs.data, mask.data)
-        return saved["create_masked_load"](self, ptrs, mask, *args, **kwargs)
-
-    def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
-        count("store", ptrs.data, mask.data)
-        return saved["create_masked_store"](self, ptrs, value, mask, *args, **kwargs)
-
-    cls.create_load, cls.create_store = create_load, create_store
-    cls.create_masked_load, cls.create_masked_store = create_masked_load, create_masked_store
-    grid._init_args_hst = init_args
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(cls, name, fn)
-        grid._init_args_hst = saved_init
+    with _watching(on_launch, on_access) as active:
+        yield counts if active else None
 
 
 def compiled_function(kernel):
