@@ -65,6 +65,20 @@ def _head_hint(got, truth, reference, rtol_floor: float, strides: str) -> str | 
             "heads need not lie back to back (here each is followed by rows that are not its own)")
 
 
+def _compare_attention(got, truth, ref, what: str, dtype: str, bm: int, first_query: str, strides: str):
+    """compare() of an attention kernel's output at its dtype's tolerance; on a mismatch, the hint for heads taken
+    as packed or for a BLOCK_M of the kernel's own, where either shows. Returns (ok, line, hint or None)."""
+    tol = (256 if dtype == "fp32" else 4) * float(np.finfo(np.float32 if dtype == "fp32" else np.float16).eps)
+    ok, line = compare(got, truth, ref, what=what, rtol_floor=tol)
+    if ok:
+        return True, line, None
+    hint = _head_hint(got, truth, ref, tol, strides)
+    if hint is None and "never written" in line:
+        hint = (f"program start_m handles the BLOCK_M queries from {first_query}: use the BLOCK_M the launch "
+                f"passes (here {bm}: the grader varies it), not a number of your own")
+    return False, line, hint
+
+
 # ---- 06.1 combining split-KV partial results -----------------------------------------------------
 
 
@@ -479,16 +493,12 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         if bad.all() and not tail and not large:
             return report.fail(f"{what}: every output is NaN: o = acc / l is 0 / 0 when the loop body does not "
                                "update acc and l (is it still a stub?)")
-        eps = float(np.finfo(np.float32 if dtype == "fp32" else np.float16).eps)
-        ok, line = compare(got, truth, ref, what=what, rtol_floor=(256 if dtype == "fp32" else 4) * eps)
+        ok, line, hint = _compare_attention(
+            got, truth, ref, what, dtype, bm, "start_m * BLOCK_M",
+            "q_ptr + h * stride_qh, k_ptr + h * stride_kh, v_ptr + h * stride_vh, o_ptr + h * stride_oh")
         if ok:
             report.ok(line)
             continue
-        hint = _head_hint(got, truth, ref, (256 if dtype == "fp32" else 4) * eps,
-                          "q_ptr + h * stride_qh, k_ptr + h * stride_kh, v_ptr + h * stride_vh, o_ptr + h * stride_oh")
-        if hint is None and "never written" in line:
-            hint = (f"program start_m handles the BLOCK_M queries from start_m * BLOCK_M: use the BLOCK_M the launch "
-                    f"passes (here {bm}: the grader varies it), not a number of your own")
         if hint is not None:
             return report.fail(line, hint)
         per_head = lambda bug: np.stack([tiled64(qs[h], ks[h], vs[h], scale, bn, bug)[0] for h in range(heads)])  # noqa: E731
@@ -781,16 +791,12 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
         report.fail(f"{what}: every output is NaN: o = acc / l_i is 0 / 0 when no key tile is folded into the state "
                     "(is the causal part still a stub?)")
         return False
-    eps = float(np.finfo(np.float32 if dtype == "fp32" else np.float16).eps)
-    ok, line = compare(got, truth, ref, what=what, rtol_floor=(256 if dtype == "fp32" else 4) * eps)
+    ok, line, hint = _compare_attention(
+        got, truth, ref, what, dtype, bm, "q0 = start_m * BLOCK_M",
+        "q_ptr + h * stride_qh and o_ptr + h * stride_qh, k_ptr + h * stride_kh and v_ptr + h * stride_kh")
     if ok:
         report.ok(line)
         return True
-    hint = _head_hint(got, truth, ref, (256 if dtype == "fp32" else 4) * eps,
-                      "q_ptr + h * stride_qh and o_ptr + h * stride_qh, k_ptr + h * stride_kh and v_ptr + h * stride_kh")
-    if hint is None and "never written" in line:
-        hint = (f"program start_m handles the BLOCK_M queries from q0 = start_m * BLOCK_M: use the BLOCK_M the launch "
-                f"passes (here {bm}: the grader varies it), not a number of your own")
     if hint is not None:
         report.fail(line, hint)
         return False
