@@ -195,6 +195,24 @@ def test_the_chapter_matmul_becomes_fma_mma_or_wgmma(compiled):
     assert got[90]["wgmma"] == 2 and got[90]["mma"] == 0, got
 
 
+def test_a_contiguous_launch_s_integers_are_specialised_as_a_launch_would():
+    """Given the integers of a launch on contiguous 4096 x 4096 fp16 matrices (last strides 1, the rest
+    multiples of 16), the matmul's loads are pipelined in shared memory where cp.async exists (sm_80 and
+    up: 3 stages of a 64 x 32 and a 32 x 64 fp16 tile, 8 KB each, on Hopper); without them the compile is
+    for any strides, unpipelined. A T4 (sm_75) has no cp.async: nothing is pipelined either way (Triton 3.4
+    stages 8.5 KB for any strides, 8 KB for the launch's)."""
+    import kernelcourse.targets as targets
+
+    tile = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, ACTIVATION="")
+    n = 4096
+    ints = dict(M=n, N=n, K=n, stride_am=n, stride_ak=1, stride_bk=n, stride_bn=1, stride_cm=n, stride_cn=1)
+    jobs = [dict(kernel=K.matmul_kernel, cc=cc, constexprs=tile, num_warps=4, num_stages=3, ints=i)
+            for cc in (75, 90) for i in (None, ints)]
+    t4_any, t4_launch, h100_any, h100_launch = (low.shared for low in targets.lowerings(jobs))
+    assert t4_launch <= t4_any <= 9 * 1024, (t4_any, t4_launch)
+    assert h100_launch == 3 * (64 * 32 + 32 * 64) * 2 > h100_any, (h100_any, h100_launch)
+
+
 # Candidates a pruner keeps whose compiled kernel does not fit the GPU after all (its estimate is too
 # low). The autotuner skips them (Triton raises OutOfResources at launch), so they cost a compile, not a
 # crash, as long as a smaller candidate fits. Listed so that a fix, or a new misfit, shows up here.

@@ -146,16 +146,20 @@ def _signature(fn, constexprs: dict, types: dict | None, dtype: str) -> dict:
 
 
 def _compile_here(fn, cc: int, constexprs: dict, types: dict | None, dtype: str, num_warps: int,
-                  num_stages: int) -> Lowering:
+                  num_stages: int, ints: dict | None = None) -> Lowering:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(fn.arg_names)
-    sig = _signature(fn, constexprs, types, dtype)
-    # as a launch specialises pointers (16-byte aligned) and the integers that are multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
-    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
+    ints = dict(ints or {})
+    # as a launch specialises them: an integer equal to 1 is compiled in as a constant
+    constants = {**constexprs, **{n: 1 for n, v in ints.items() if v == 1}}
+    sig = _signature(fn, constants, types, dtype)
+    # and pointers (16-byte aligned) and the integers that are multiples of 16 are marked divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or (n in ints and ints[n] != 1 and ints[n] % 16 == 0)}
+    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in constants.items()}, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     return Lowering(cc, count_instructions(compiled.asm["ptx"]), int(compiled.metadata.shared), num_warps)
@@ -168,10 +172,10 @@ import kernelcourse.targets as T
 sys.modules["kernelcourse.world"]._enter_simulation = lambda: None
 jobs = json.loads(sys.argv[1])
 out = []
-for module, name, cc, constexprs, types, dtype, warps, stages in jobs:
+for module, name, cc, constexprs, types, dtype, warps, stages, ints in jobs:
     fn = T._jit_function(getattr(importlib.import_module(module), name))
     try:
-        low = T._compile_here(fn, cc, constexprs, types, dtype, warps, stages)
+        low = T._compile_here(fn, cc, constexprs, types, dtype, warps, stages, ints)
         out.append({"cc": low.cc, "counts": low.counts, "shared": low.shared, "num_warps": low.num_warps})
     except Exception as exc:  # noqa: BLE001 - reported back to the caller with the job that failed
         out.append({"error": f"{type(exc).__name__}: {exc}"[:2000]})
@@ -190,10 +194,10 @@ def lowerings(jobs: list[dict]) -> list[Lowering]:
     fns = [_jit_function(j["kernel"]) for j in jobs]
     norm = [dict(cc=int(j["cc"]), constexprs=dict(j.get("constexprs", {})), types=j.get("types"),
                  dtype=j.get("dtype", "fp16"), num_warps=int(j.get("num_warps", 4)),
-                 num_stages=int(j.get("num_stages", 3))) for j in jobs]
+                 num_stages=int(j.get("num_stages", 3)), ints=dict(j.get("ints") or {})) for j in jobs]
     if not any(_interpreted(fn) for fn in fns):
-        return [_compile_here(fn, n["cc"], n["constexprs"], n["types"], n["dtype"], n["num_warps"], n["num_stages"])
-                for fn, n in zip(fns, norm)]
+        return [_compile_here(fn, n["cc"], n["constexprs"], n["types"], n["dtype"], n["num_warps"], n["num_stages"],
+                              n["ints"]) for fn, n in zip(fns, norm)]
     payload = []
     for fn, n in zip(fns, norm):
         module, name = fn.fn.__module__, fn.fn.__name__
@@ -201,7 +205,8 @@ def lowerings(jobs: list[dict]) -> list[Lowering]:
             raise ValueError(f"{name} is defined in this notebook, and Triton's interpreter is on here: only a "
                              "kernel of an importable module (kc.kernels.matmul_kernel, say) can be compiled for "
                              "another GPU from this process")
-        payload.append([module, name, n["cc"], n["constexprs"], n["types"], n["dtype"], n["num_warps"], n["num_stages"]])
+        payload.append([module, name, n["cc"], n["constexprs"], n["types"], n["dtype"], n["num_warps"], n["num_stages"],
+                        n["ints"]])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # what this process imports from, the child does too: this package first, then this process's path
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,15 +230,18 @@ def lowerings(jobs: list[dict]) -> list[Lowering]:
 
 
 def compile_for(kernel, cc: int, constexprs: dict, *, types: dict | None = None, dtype: str = "fp16",
-                num_warps: int = 4, num_stages: int = 3) -> Lowering:
+                num_warps: int = 4, num_stages: int = 3, ints: dict | None = None) -> Lowering:
     """Compile ``kernel`` for compute capability ``cc`` (75, 80, 89, 90, ...) on this machine, GPU or not.
 
     ``constexprs`` gives every ``tl.constexpr`` argument; pointers (names ending in ``_ptr``) point to
     ``dtype``, other arguments are 32-bit integers unless ``types`` says otherwise (e.g.
-    ``{"sm_scale": "fp32", "lse_ptr": "*fp32"}``).
+    ``{"sm_scale": "fp32", "lse_ptr": "*fp32"}``). ``ints`` gives integer arguments the values of a launch
+    (``{"M": 4096, "stride_ak": 1}``) to specialise them as that launch would: a 1 compiled in, a multiple
+    of 16 known as one. A contiguous tensor's last stride is 1, and knowing it lets Triton load whole
+    vectors and pipeline the loads: without ``ints`` the code is the one for any strides.
     """
     return lowerings([dict(kernel=kernel, cc=cc, constexprs=constexprs, types=types, dtype=dtype,
-                           num_warps=num_warps, num_stages=num_stages)])[0]
+                           num_warps=num_warps, num_stages=num_stages, ints=ints)])[0]
 
 
 # ---- the reader's own GPU ----------------------------------------------------------------------
