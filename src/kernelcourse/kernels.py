@@ -532,7 +532,7 @@ _register_autograd("matmul", TritonMatmul)
 # (appended after the chapter 05 section so that edits above it stay separate; it belongs to chapter 04)
 
 __all__ += ["group_norm_silu", "group_norm_silu_ref", "group_norm_silu_kernel", "group_norm_stats_kernel",
-            "group_norm_apply_silu_kernel", "group_norm_split", "GROUP_NORM_CONFIGS"]
+            "group_norm_apply_silu_kernel", "group_norm_split", "group_norm_tiles", "GROUP_NORM_CONFIGS"]
 
 
 def group_norm_silu_ref(x: torch.Tensor, n_groups: int, weight: torch.Tensor, bias: torch.Tensor,
@@ -648,12 +648,19 @@ def group_norm_apply_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, C, HW, n_
 
 
 def group_norm_split(programs: int, n: int, BLOCK: int = 1024) -> int:
-    """How many tiles to split each group into, on this GPU: none (1) when there are already two
-    programs per SM, else enough for about four programs per SM, at least a BLOCK of values per tile."""
+    """How many tiles to split each group into, on this GPU: none (1) when there is already a program
+    per SM, else enough for about four programs per SM, at least a BLOCK of values per tile."""
     if not world().gpu:
         return 1
     sms = gpu_properties()["multiprocessor_count"]
-    return 1 if programs >= 2 * sms else max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(n, BLOCK)))
+    return 1 if programs >= sms else max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(n, BLOCK)))
+
+
+def group_norm_tiles(n: int, split: int, BLOCK: int) -> tuple[int, int]:
+    """``(TILE, tiles)``: a group of ``n`` values cut into about ``split`` tiles of whole BLOCKs (chunks never
+    straddle two tiles), so the tiles launched can be fewer than ``split``."""
+    TILE = triton.cdiv(triton.cdiv(n, split), BLOCK) * BLOCK
+    return TILE, triton.cdiv(n, TILE)
 
 
 # Candidates for the autotuner on a GPU: the chunk each program loads per step, and the warps that share it.
@@ -687,8 +694,7 @@ def group_norm_silu(x: torch.Tensor, n_groups: int, weight: torch.Tensor, bias: 
     split = group_norm_split(B * n_groups, n) if split is None else split
     if split > 1:
         BLOCK = BLOCK or (1024 if world().gpu else min(1024, triton.next_power_of_2(n)))
-        TILE = triton.cdiv(triton.cdiv(n, split), BLOCK) * BLOCK  # a multiple of BLOCK: chunks never straddle tiles
-        tiles = triton.cdiv(n, TILE)
+        TILE, tiles = group_norm_tiles(n, split, BLOCK)
         part = torch.empty((B * n_groups, tiles, 2), device=x.device, dtype=torch.float32)
         grid = (B * n_groups, tiles)
         group_norm_stats_kernel[grid](x, part, C, HW, n_groups, TILE, BLOCK=BLOCK, num_warps=4)
