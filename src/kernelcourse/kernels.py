@@ -320,7 +320,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str = "", config: dict 
     args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     if config is None and world().gpu:
         if _matmul_tuned is None:
-            _matmul_tuned = triton.autotune(MATMUL_CONFIGS, key=["M", "N", "K"],
+            _matmul_tuned = triton.autotune(MATMUL_CONFIGS, key=["M", "N", "K", "ACTIVATION"],
                                             prune_configs_by={"early_config_prune": _prune_matmul_configs})(matmul_kernel)
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
         _matmul_tuned[grid](*args, ACTIVATION=activation)
@@ -402,11 +402,12 @@ def residual_layer_norm_lean(x, r, weight, bias, eps: float = 1e-5, activation: 
 
 
 def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch.Tensor:
-    """``matmul(a, b, activation)`` through the lean path: tiles found once per (M, N, K, dtype)."""
+    """``matmul(a, b, activation)`` through the lean path: tiles found once per (M, N, K, dtype, activation),
+    the autotuner's own key (an epilogue changes which tiles are fastest)."""
     assert a.shape[1] == b.shape[0] and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
     M, K = a.shape
     N = b.shape[1]
-    key = ("matmul", M, N, K, a.dtype, b.dtype)
+    key = ("matmul", M, N, K, a.dtype, b.dtype, activation)
     opts = _LAUNCH.get(key)
     if opts is None:
         c = matmul(a, b, activation)
@@ -417,7 +418,7 @@ def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch
     cfg, grid = opts
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    spec = key + (a.get_device(), activation) + specialization(a, b, c, *strides)  # what the key leaves free
+    spec = key + (a.get_device(),) + specialization(a, b, c, *strides)  # what the key leaves free
     direct(matmul_kernel, spec, grid, (a, b, c, M, N, K, *strides), {"ACTIVATION": activation, **cfg})
     return c
 
