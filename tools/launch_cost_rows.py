@@ -5,7 +5,8 @@ matmul: the readable launcher that the lessons print, its lean launch path, the 
 operator, and the PyTorch peer; as the floor, a one-line Triton kernel and ``Tensor.add_``. CPU µs per
 call: ``--calls`` calls back to back with no wait for the GPU, after a warm-up; GPU µs per call:
 ``kc.bench.gpu_time`` (the calls in a CUDA graph, L2 flushed between them). ``x floor`` is the CPU cost
-over the one-line Triton kernel's; the lean paths aim at 2x or less.
+over the one-line Triton kernel's; the lean paths aim at 2x or less. Each lean path and operator is timed
+twice, the second time (``, direct``) with ``kernelcourse.launch``'s direct launch switched on.
 
     python tools/launch_cost_rows.py [--calls 300] [--dtype bf16|fp16|fp32] [--block]
 """
@@ -37,6 +38,7 @@ def main() -> int:
     import triton.language as tl
 
     from kernelcourse import kernels as K
+    from kernelcourse import launch
     from kernelcourse import transformer as T
     from kernelcourse.bench import gpu_time, table
     from kernelcourse.world import low_precision_dtype
@@ -47,6 +49,7 @@ def main() -> int:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype) or low_precision_dtype()
     dev = "cuda"
+    enabled = launch.ENABLED
     ops = torch.ops.kernelcourse
     tiny = torch.zeros(16, device=dev)
     s = torch.randn(4096, 1024, device=dev, dtype=dtype)
@@ -74,24 +77,33 @@ def main() -> int:
         ("matmul 8192x768x768", "operator", lambda: ops.matmul(a, m)),
         ("matmul 8192x768x768", "cuBLAS (a @ b)", lambda: a @ m),
     ]
+    # each lean path and operator once more with the direct launch (kernelcourse.launch) switched on, in
+    # this run, whatever KC_DIRECT_LAUNCH says: the two rows of a pair differ in that alone
+    cases = [(op, impl, fn, False) for op, impl, fn in cases]
+    cases = [c for case in cases for c in
+             ([case, (case[0], case[1] + ", direct", case[2], True)] if case[1] in ("lean launch", "operator") else [case])]
     rows = []
-    for op, impl, fn in cases:
+    for op, impl, fn, direct in cases:
+        launch.ENABLED = direct
         c = kc.bench.cpu_time_per_call(fn, calls=args.calls, warmup=10)
         rows.append({"op": op, "impl": impl, "cpu_us": c, "gpu_us": gpu_time(fn) * 1e3})
     if args.block:  # one training step of chapter 08's block: which side, CPU or GPU, sets its pace
         ref, course, h, delta = T.make_pair(8, 1024, 768, 12, dtype)
         grads = (torch.randn_like(h), torch.randn_like(h))
-        for impl, blk in (("eager PyTorch + SDPA", ref), ("course kernels", course)):
+        for impl, blk, direct in (("eager PyTorch + SDPA", ref, False), ("course kernels", course, False),
+                                  ("course kernels, direct", course, True)):
+            launch.ENABLED = direct
             fn = T.step_fn(blk, h, delta, grads)
             c = kc.bench.cpu_time_per_call(fn, calls=10, warmup=10)  # ~60 launches a step: 10 steps stay within the GPU's launch queue
             rows.append({"op": "block fwd+bwd 8x1024x768", "impl": impl, "cpu_us": c, "gpu_us": gpu_time(fn, reps=3) * 1e3})
+    launch.ENABLED = enabled
     floor = rows[0]["cpu_us"]
     for row in rows:
         row["x_floor"] = row["cpu_us"] / floor
     print(f"{world.name}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, triton {triton.__version__}: "
           f"microseconds per call ({args.calls} calls back to back for the CPU, kc.bench.gpu_time for the GPU)")
     print(table(rows, {"op": "", "impl": "", "cpu_us": ".1f", "gpu_us": ".1f", "x_floor": ".2f"}))
-    lean = [r for r in rows if r["impl"] in ("lean launch", "operator")]
+    lean = [r for r in rows if r["impl"].startswith(("lean launch", "operator"))]
     over = [f"{r['op']} ({r['impl']}, {r['x_floor']:.2f}x)" for r in lean if r["x_floor"] > 2.0]
     print("CPU cost within 2x the one-line kernel's: " + ("all lean paths and operators" if not over
                                                           else "not " + ", ".join(over)))
