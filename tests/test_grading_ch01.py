@@ -166,8 +166,8 @@ def test_01_3_accepts_correct(kernel):
 @pytest.mark.parametrize("kernel, hint", [
     (axpy_no_loop, "not updated"),
     (axpy_block_stride, "updated twice"),
-    (axpy_fixed_trips, "while i < n"),
-    (axpy_off_by_one, "i < n"),
+    (axpy_fixed_trips, "while i < y.size"),
+    (axpy_off_by_one, "y.size"),
     (axpy_overwrites, "y holds a * x alone: add to it, y[i] += a * x[i]"),
 ])
 def test_01_3_rejects_wrong(kernel, hint):

@@ -98,6 +98,17 @@ def test_03_3_accepts_correct(fn):
     assert passed, text
 
 
+def test_03_3_asks_only_what_the_statement_allows():
+    """The statement promises 0 <= extra <= k: an answer that checks it must pass, on any draw."""
+    def io_reduction(k, extra):
+        assert 1 <= k and 0 <= extra <= k, (k, extra)
+        return (2 * k + extra) / (2 + extra)
+
+    for _ in range(5):
+        passed, text = grade("03.3", io_reduction=io_reduction)
+        assert passed, text
+
+
 @pytest.mark.parametrize("fn, hint", [
     (lambda k, e: k, "less than k"),
     (lambda k, e: (2 * k + e) / 2, "2 + extra in the denominator"),

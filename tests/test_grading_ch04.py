@@ -686,14 +686,28 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, eps, B
              mask=mask)
 
 
-def rows_launcher(packed=False, out_dtype=None):
+@triton.jit
+def _rows_kernel_fp16(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr,
+                      ROWS: tl.constexpr):  # the sum of squares in the input's dtype: float16 for float16 rows
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=1) / n_cols
+    rstd = 1.0 / tl.sqrt(ms.to(tl.float32) + eps)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def rows_launcher(packed=False, out_dtype=None, kernel=None):
     def rms_norm_rows(x, w, eps):
         n_rows, n_cols = x.shape
         y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)  # contiguous, whatever x is
         BLOCK = triton.next_power_of_2(n_cols)
         ROWS = max(1, 2048 // BLOCK)
-        _rows_kernel[(triton.cdiv(n_rows, ROWS),)](x, w, y, n_rows, n_cols, n_cols if packed else x.stride(0),
-                                                   y.stride(0), eps, BLOCK=BLOCK, ROWS=ROWS)
+        (kernel or _rows_kernel)[(triton.cdiv(n_rows, ROWS),)](x, w, y, n_rows, n_cols, n_cols if packed else x.stride(0),
+                                                               y.stride(0), eps, BLOCK=BLOCK, ROWS=ROWS)
         return y
     return rms_norm_rows
 
@@ -710,3 +724,9 @@ def test_04_5_accepts_a_strided_x():
 def test_04_5_rejects_a_fixed_layout_or_dtype(fn, hint):
     passed, text = grade("04.5", rms_norm_rows=fn)
     assert not passed and hint in text, text
+
+
+@pytest.mark.skipif(kc.world().gpu, reason="the float32 check runs in Triton's interpreter")
+def test_04_5_rejects_float16_arithmetic():
+    passed, text = grade("04.5", rms_norm_rows=rows_launcher(kernel=_rows_kernel_fp16))
+    assert not passed and "computes in fp16: do the math in float32" in text, text

@@ -152,10 +152,13 @@ def grade_fused(report: Report, block_fused_bytes):
 
 @exercise("03.3", "the IO reduction factor", names=("io_reduction",), time_limit_s=30)
 def grade_io_reduction(report: Report, io_reduction):
+    def draw(r, k_low=1, extra_low=0):  # k ops, 0 <= extra <= k, as the statement says
+        k = int(r.integers(k_low, 12))
+        return k, int(r.integers(extra_low, k + 1))
+
     def cases(rng, truth, wrong):  # fresh every run: no extra operand, then some, k from 1
-        first = separating(rng, lambda r: (int(r.integers(2, 10)), int(r.integers(1, 6))), truth, wrong)
-        return [first, (int(rng.integers(2, 10)), 0), (1, int(rng.integers(0, 6)))] + [
-            (int(rng.integers(1, 12)), int(rng.integers(0, 8))) for _ in range(4)]
+        first = separating(rng, lambda r: draw(r, 2, 1), truth, wrong)
+        return [first, (int(rng.integers(2, 10)), 0), (1, int(rng.integers(0, 2)))] + [draw(rng) for _ in range(4)]
 
     def truth(k, extra):
         return (2 * k + extra) / (2 + extra)

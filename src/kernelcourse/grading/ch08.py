@@ -448,7 +448,10 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                 return report.fail(f"{what}: the gradient has shape {tuple(getattr(grad, 'shape', ()))}, "
                                    f"expected ({rows}, {V}), one value per logit")
             n_valid, count_all = int(valid.sum()), rows
-            tol = max(2 * abs(float(ref_loss) - loss64), 8 * float(np.finfo(np.float32).eps) * abs(loss64), 1e-6)
+            # float32 rounds a row's loss at the scale of its log-sum-exp (logits near 1000: a kernel that forms
+            # m + log(s) before subtracting the target's logit is right and rounds at 1000), not of the loss
+            scale = max(abs(loss64), float(np.abs(lse64[valid]).max(initial=0.0)))
+            tol = max(2 * abs(float(ref_loss) - loss64), 8 * float(np.finfo(np.float32).eps) * scale, 1e-6)
             if not math.isfinite(loss) or abs(loss - loss64) > tol:
                 if not math.isfinite(loss):
                     hint = ("exp() overflows for logits near 1000: keep the running max m and a running sum of "
