@@ -79,11 +79,13 @@ def main() -> int:
     ]
     # each lean path and operator once more with the direct launch (kernelcourse.launch) switched on, in
     # this run, whatever KC_DIRECT_LAUNCH says: the two rows of a pair differ in that alone
-    cases = [(op, impl, fn, False) for op, impl, fn in cases]
-    cases = [c for case in cases for c in
-             ([case, (case[0], case[1] + ", direct", case[2], True)] if case[1] in ("lean launch", "operator") else [case])]
+    timed = []
+    for op, impl, fn in cases:
+        timed.append((op, impl, fn, False))
+        if impl in ("lean launch", "operator"):
+            timed.append((op, impl + ", direct", fn, True))
     rows = []
-    for op, impl, fn, direct in cases:
+    for op, impl, fn, direct in timed:
         launch.ENABLED = direct
         c = kc.bench.cpu_time_per_call(fn, calls=args.calls, warmup=10)
         rows.append({"op": op, "impl": impl, "cpu_us": c, "gpu_us": gpu_time(fn) * 1e3})
