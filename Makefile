@@ -89,10 +89,12 @@ test-oldest:
 # CHAPTERS="01 02" checks those chapters only (their notebooks and tests, and the tests of no chapter);
 # PARTS="tests grades" runs only those parts (tests, lessons, solutions, grades); PREHOPPER=1 checks, on a
 # Hopper GPU, the paths of GPUs before Hopper (tools/gpu_check.py --pre-hopper); T4=1 the course's choices
-# for a T4 (--as-t4).
+# for a T4 (--as-t4). STAMP=1 stamps the lessons whose stamp is stale as it checks them (--stamp; RESTAMP="08"
+# stamps lesson 08 too); GPUS=1 keeps a machine of several GPUs to one (by default the work is shared out).
 gpu-check:
 	$(GPU_PYTHON) tools/gpu_check.py $(addprefix --chapter ,$(CHAPTERS)) $(addprefix --only ,$(PARTS)) \
-		$(if $(PREHOPPER),--pre-hopper) $(if $(T4),--as-t4)
+		$(if $(PREHOPPER),--pre-hopper) $(if $(T4),--as-t4) $(if $(STAMP),--stamp) $(addprefix --restamp ,$(RESTAMP)) \
+		$(if $(GPUS),--gpus $(GPUS))
 
 lab: $(INSTALLED)
 	$(BIN)/jupyter lab

@@ -139,3 +139,76 @@ def test_the_oldest_releases_are_named_once_for_ci_and_once_for_the_setup_cell()
     makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
     pins = dict(re.findall(r"\b(torch|triton)==(\d+\.\d+)\.\d+", makefile.split("OLDEST_PINS :=")[1].splitlines()[0]))
     assert {k: tuple(map(int, v.split("."))) for k, v in pins.items()} == W.OLDEST
+
+
+def _jobs_by_part(jobs):
+    out = {}
+    for job in jobs:
+        out.setdefault(job.part.what, []).append(job)
+    return out
+
+
+def test_on_one_gpu_each_part_runs_in_one_process_in_the_table_s_order():
+    root = gpu_check.ROOT
+    lessons = sorted((root / "notebooks").glob("0[1-3]_*.ipynb"))
+    solutions = sorted((root / "solutions").glob("0[1-3]_*.ipynb"))
+    parts, jobs = gpu_check.plan(gpu_check.parse_args([]), lessons, solutions, ["tests"], 1, [])
+    assert [j.part for j in sorted(jobs, key=lambda j: -j.weight)] == list(parts.values())
+
+
+def test_on_several_gpus_every_piece_runs_once_and_stale_lessons_are_stamped():
+    root = gpu_check.ROOT
+    lessons = sorted((root / "notebooks").glob("0[1-3]_*.ipynb"))
+    solutions = sorted((root / "solutions").glob("0[1-3]_*.ipynb"))
+    args = gpu_check.parse_args(["--stamp"])
+    parts, jobs = gpu_check.plan(args, lessons, solutions, ["tests"], 2, [lessons[1]])
+    by = _jobs_by_part(jobs)
+    assert len(by["unit tests"]) == 6  # three groups per GPU
+    assert [j.label for j in by["lessons (stale ones stamped)"]] == [
+        f"{lessons[1].name}, stamped", lessons[0].name, lessons[2].name]
+    assert len(by["solutions under nbval"]) == len(by["grade report: stubs fail"]) == len(solutions) == 3
+    # every test file in exactly one group
+    groups = gpu_check.balanced(sorted((root / "tests").glob("test_*.py")), 6)
+    files = [p for g in groups for p in g]
+    assert sorted(files) == sorted((root / "tests").glob("test_*.py")) and len(files) == len(set(files))
+
+    parts, jobs = gpu_check.plan(gpu_check.parse_args(["--only", "grades"]), lessons, solutions, ["tests"], 2, [])
+    assert {j.part.what for j in jobs} == {"grade report: solutions pass", "grade report: stubs fail"}
+    assert parts["tests"].left_out and parts["lessons"].left_out and not parts["pass"].left_out
+
+
+def test_pieces_share_the_gpus_and_add_up_into_their_part():
+    import threading
+
+    seen = []
+    lock = threading.Lock()
+    part = gpu_check.Part("unit tests", "test")
+
+    def do(piece, env):
+        with lock:
+            seen.append(env["CUDA_VISIBLE_DEVICES"])
+        piece.ran, piece.passed, piece.seconds = 2, 1, 1.5
+        piece.failed, piece.failures = 1, [f"one failed on GPU {env['CUDA_VISIBLE_DEVICES']}"]
+
+    jobs = [gpu_check.Job(part, f"piece {i}", float(i), do) for i in range(5)]
+    gpu_check.run_jobs(jobs, ["3", "5"])
+    assert sorted(set(seen)) == ["3", "5"] and len(seen) == 5
+    assert (part.ran, part.passed, part.failed, part.seconds) == (10, 5, 5, 7.5) and len(part.failures) == 5
+    assert not part.ok
+
+
+def test_stamping_is_for_the_gpu_as_itself(capsys):
+    import pytest
+
+    for argv in (["--restamp", "08"], ["--stamp", "--as-t4"], ["--stamp", "--pre-hopper"], ["--gpus", "0"]):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(argv)
+    err = capsys.readouterr().err
+    assert "add --stamp" in err and "as itself" in err and "at least one" in err
+    assert gpu_check.parse_args(["--stamp", "--restamp", "08"]).restamp == ["08"]
+
+
+def test_a_failed_stamp_names_the_exception():
+    text = "Traceback (most recent call last):\n  File x\nnbclient.exceptions.CellExecutionError: cell 3\nValueError: bad\nexit"
+    assert gpu_check._error_line(text) == "ValueError: bad"
+    assert gpu_check._error_line("") == "(no output)"

@@ -26,6 +26,16 @@ chapter computes in bfloat16, the pointer attention, the pruners' estimates for 
 T4's 64 KB of shared memory), with mma.sync as under --pre-hopper. Every choice the course makes for a T4
 runs; Triton's tl.dot still runs on this GPU's tensor cores, so the speed checks compare with the peers
 of a GPU whose tl.dot has them, not with a T4's.
+
+On a machine with several GPUs the work is shared out: each GPU runs one piece at a time (a lesson, a
+solution, a notebook's grades, a group of test files), longest first, in its own process that sees that GPU
+alone (CUDA_VISIBLE_DEVICES). A speed check then has its GPU to itself. --gpus N uses the first N.
+
+    python3 tools/gpu_check.py --stamp         # or: make gpu-check STAMP=1
+
+executes each lesson whose stamp is stale (its code changed since its GPU run) with tools/stamp.py --record
+instead of nbval, so that checking the course and stamping what changed cost one run of each lesson;
+--restamp NN also stamps lesson NN (one whose printed results depend on package code that changed).
 """
 from __future__ import annotations
 
@@ -34,14 +44,17 @@ import datetime as dt
 import importlib.util
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 # What the checks import, and the pip name of each: the notebook stack is what a bare GPU machine lacks.
@@ -85,13 +98,35 @@ class Part:
     def ok(self) -> bool:
         return self.left_out or (not self.error and self.failed == 0 and self.ran > 0)
 
+    def add(self, other: "Part") -> None:
+        """Count a piece of this part that ran on its own (on one GPU of several) into the part."""
+        self.ran += other.ran
+        self.passed += other.passed
+        self.failed += other.failed
+        self.skipped += other.skipped
+        self.seconds += other.seconds
+        self.failures += other.failures
+        self.skips.update(other.skips)
+        self.error = "; ".join(filter(None, [self.error, other.error]))
+
+
+@dataclass
+class Job:
+    """One piece of a part, run in a process of its own on one GPU."""
+    part: Part
+    label: str
+    weight: float                  # the seconds it is expected to take: the longest start first
+    do: Callable[[Part, dict], None]
+
 
 def missing_stack() -> list[str]:
     return sorted({pip for module, pip in NEEDED.items() if importlib.util.find_spec(module) is None})
 
 
-def child_env() -> dict:
+def child_env(gpu: str | None = None) -> dict:
     env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env["KC_WORLD"] = "gpu"  # a GPU that vanished fails loudly instead of quietly testing the CPU path
     env.pop("TRITON_INTERPRET", None)
@@ -109,12 +144,12 @@ def mode_env(args) -> dict[str, str]:
     return env
 
 
-def run_pytest(part: Part, args: list[str]) -> None:
+def run_pytest(part: Part, args: list[str], env: dict | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rN", "--junitxml", str(xml), *args]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rN", "-p", "no:cacheprovider", "--junitxml", str(xml), *args]
         start = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env or child_env(), capture_output=True, text=True)
         part.seconds = time.time() - start
         if not xml.exists():
             part.error = f"pytest did not run (exit {proc.returncode}): {_last_line(proc.stdout + proc.stderr)}"
@@ -136,10 +171,10 @@ def run_pytest(part: Part, args: list[str]) -> None:
             part.error = f"pytest exited {proc.returncode}: {_last_line(proc.stdout + proc.stderr)}"
 
 
-def run_grade(part: Part, notebooks: list[Path], expect_pass: bool) -> None:
+def run_grade(part: Part, notebooks: list[Path], expect_pass: bool, env: dict | None = None) -> None:
     cmd = [sys.executable, "-m", "kernelcourse.grade", "--json", *map(str, notebooks)]
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or child_env(), capture_output=True, text=True)
     part.seconds = time.time() - start
     try:
         rows = json.loads(proc.stdout)["rows"]
@@ -160,6 +195,79 @@ def run_grade(part: Part, notebooks: list[Path], expect_pass: bool) -> None:
         else:
             part.failed += 1
             part.failures.append(f"{ex}: {'FAIL' if expect_pass else 'the stub passed'}: {row['message']}")
+
+
+def run_stamp(part: Part, lesson: Path, cell_timeout: int, env: dict | None = None) -> None:
+    """Execute a lesson with tools/stamp.py --record: its outputs, stamp and recorded results are kept."""
+    cells = sum(1 for c in json.loads(lesson.read_text())["cells"] if c["cell_type"] == "code")
+    cmd = [sys.executable, str(ROOT / "tools" / "stamp.py"), "--record", "--timeout", str(cell_timeout), str(lesson)]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or child_env(), capture_output=True, text=True)
+    part.seconds = time.time() - start
+    part.ran = cells
+    if proc.returncode == 0:
+        part.passed = cells
+    else:  # nbclient stops at the first cell that raises; the cells after it did not run
+        part.failed = 1
+        part.failures.append(f"{lesson.name} (stamping): {_error_line(proc.stdout + proc.stderr)}")
+
+
+def _error_line(text: str) -> str:
+    """The line that names the exception in a traceback, else the last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    named = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception", "Interrupt", "Exit"))]
+    return (named or lines or ["(no output)"])[-1][:300]
+
+
+def run_jobs(jobs: list[Job], gpus: list[str]) -> None:
+    """Run the jobs on the GPUs, each GPU one job at a time, the longest first; print each as it ends."""
+    todo: queue.Queue = queue.Queue()
+    for job in sorted(jobs, key=lambda j: -j.weight):
+        todo.put(job)
+    lock = threading.Lock()
+
+    def worker(gpu: str) -> None:
+        while True:
+            try:
+                job = todo.get_nowait()
+            except queue.Empty:
+                return
+            piece = Part(job.part.what, job.part.unit)
+            job.do(piece, child_env(gpu if len(gpus) > 1 else None))
+            with lock:
+                job.part.add(piece)
+                where = f" on GPU {gpu}" if len(gpus) > 1 else ""
+                print(f"  {job.label}{where}: {piece.passed}/{piece.ran} {piece.unit}s as expected, {piece.failed} not, "
+                      f"{piece.skipped} skipped, {piece.seconds:.0f} s{' (' + piece.error + ')' if piece.error else ''}",
+                      flush=True)
+
+    threads = [threading.Thread(target=worker, args=(gpu,)) for gpu in gpus]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def gpu_ids(count: int | None) -> list[str]:
+    """The GPUs to share the work out over, as CUDA_VISIBLE_DEVICES names them for a child process."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
+    n = torch.cuda.device_count()
+    names = names[:n] if names else [str(i) for i in range(n)]
+    return names[:count] if count else names
+
+
+def balanced(paths: list[Path], groups: int) -> list[list[Path]]:
+    """Test files in `groups` groups of about equal size (lines of code stand in for time)."""
+    out: list[list[Path]] = [[] for _ in range(max(1, groups))]
+    sizes = [0] * len(out)
+    for p in sorted(paths, key=lambda p: -len(p.read_text().splitlines())):
+        i = sizes.index(min(sizes))
+        out[i].append(p)
+        sizes[i] += len(p.read_text().splitlines())
+    return [g for g in out if g]
 
 
 def _last_line(text: str) -> str:
@@ -220,12 +328,81 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--max-shared-mem", type=int, metavar="BYTES",
                     help="shared memory per block that Triton and the autotune pruners may use (65536: a T4's); "
                          f"--pre-hopper's default is {PRE_HOPPER_SHARED_MEM}, --as-t4's {T4_SHARED_MEM}")
+    ap.add_argument("--gpus", type=int, metavar="N",
+                    help="share the work out over the first N GPUs (default: every GPU this machine shows)")
+    ap.add_argument("--stamp", action="store_true",
+                    help="execute each lesson whose stamp is stale with tools/stamp.py --record (outputs, stamp and "
+                         "recorded results kept) instead of under nbval")
+    ap.add_argument("--restamp", action="append", default=[], metavar="NN",
+                    help="with --stamp, also stamp lesson NN (repeatable): one whose printed results depend on "
+                         "package code that changed")
     args = ap.parse_args(argv)
+    if args.restamp and not args.stamp:
+        ap.error("--restamp NN stamps lessons as part of --stamp: add --stamp")
+    if args.gpus is not None and args.gpus < 1:
+        ap.error(f"--gpus {args.gpus}: at least one")
     if args.as_t4 and args.pre_hopper:
         ap.error("--as-t4 and --pre-hopper: pick one (--as-t4 already takes the pre-Hopper code paths)")
+    if args.stamp and (args.as_t4 or args.pre_hopper or args.max_shared_mem):
+        ap.error("--stamp records what this GPU does as itself: drop --as-t4, --pre-hopper and --max-shared-mem")
     if args.max_shared_mem is not None and args.max_shared_mem < 16 * 1024:
         ap.error(f"--max-shared-mem {args.max_shared_mem}: every GPU the course supports has at least 64 KB (65536)")
     return args
+
+
+def plan(args, lessons: list[Path], solutions: list[Path], tests: list[str], n_gpus: int,
+         stale: list[Path]) -> tuple[dict[str, Part], list[Job]]:
+    """The parts of the table and the pieces that fill them. On one GPU each part runs in one process, in the
+    table's order; on several, each lesson, solution and notebook's grades is a piece, and the test files
+    make three groups per GPU."""
+    nbval = ["--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={args.cell_timeout}"]
+    stubs = [ROOT / "exercises" / p.name for p in solutions]
+    parts = {name: Part(what, unit) for name, what, unit in [
+        ("tests", "unit tests", "test"), ("lessons", "lessons under nbval", "cell"),
+        ("solutions", "solutions under nbval", "cell"), ("pass", "grade report: solutions pass", "exercise"),
+        ("fail", "grade report: stubs fail", "exercise")]}
+    if stale:
+        parts["lessons"].what = "lessons (stale ones stamped)"
+    only = {"tests": ["tests"], "lessons": ["lessons"], "solutions": ["solutions"], "grades": ["pass", "fail"]}
+    chosen = {name for part in (args.only or PARTS) for name in only[part]}
+    for name, part in parts.items():
+        part.left_out = name not in chosen
+
+    def seconds(path: Path) -> float:  # the chapter lesson's last stamped run stands in for its notebooks' time
+        lesson = next((ROOT / "notebooks").glob(path.name[:3] + "*.ipynb"), None)
+        stamp = json.loads(lesson.read_text())["metadata"].get("kernelcourse", {}).get("stamp", {}) if lesson else {}
+        return float(stamp.get("seconds", 60))
+
+    one = n_gpus == 1
+    pieces = (lambda items: [items]) if one else (lambda items: [[x] for x in items])
+    jobs: list[Job] = []
+    if not parts["tests"].left_out:
+        files = [ROOT / t for t in tests] if tests != ["tests"] else sorted((ROOT / "tests").glob("test_*.py"))
+        groups = [tests] if one else [[str(p.relative_to(ROOT)) for p in g] for g in balanced(files, 3 * n_gpus)]
+        for i, group in enumerate(groups):
+            jobs.append(Job(parts["tests"], "unit tests" if one else f"unit tests, group {i + 1} of {len(groups)}",
+                            200.0, lambda p, env, g=group: run_pytest(p, [*g, "-k", GRADE_TESTS], env)))
+    if not parts["lessons"].left_out:
+        for lesson in stale:
+            jobs.append(Job(parts["lessons"], f"{lesson.name}, stamped", seconds(lesson),
+                            lambda p, env, n=lesson: run_stamp(p, n, args.cell_timeout, env)))
+        for group in pieces([p for p in lessons if p not in stale]) if [p for p in lessons if p not in stale] else []:
+            jobs.append(Job(parts["lessons"], "lessons" if len(group) > 1 else group[0].name, sum(map(seconds, group)),
+                            lambda p, env, g=group: run_pytest(p, [*nbval, *map(str, g)], env)))
+    for name, items, share, do in [
+            ("solutions", solutions, 0.5, lambda g: lambda p, env: run_pytest(p, [*nbval, *map(str, g)], env)),
+            ("pass", solutions, 0.5, lambda g: lambda p, env: run_grade(p, g, True, env)),
+            ("fail", stubs, 0.2, lambda g: lambda p, env: run_grade(p, g, False, env))]:
+        if not parts[name].left_out and items:
+            for group in pieces(items):
+                label = parts[name].what if len(group) > 1 else f"{parts[name].what}: {group[0].name}"
+                jobs.append(Job(parts[name], label, share * sum(map(seconds, group)), do(group)))
+    if one:  # the table's order, as the parts always ran
+        order = list(parts.values())
+        jobs.sort(key=lambda j: order.index(j.part))
+        for i, job in enumerate(jobs):
+            job.weight = -float(i)
+    return parts, jobs
 
 
 def main() -> int:
@@ -243,7 +420,6 @@ def main() -> int:
               f"(torch {torch.__version__}). On a CPU machine, `make test` checks the CPU world.")
         return 2
     gpu, versions = machine()
-    nbval = ["--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={args.cell_timeout}"]
     lessons = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     solutions = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
     tests = ["tests"]
@@ -253,29 +429,23 @@ def main() -> int:
         others = {p.stem[:2] for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")} - set(args.chapter)
         elsewhere = {f"test_grading_ch{c}.py" for c in others} | {f for c in others for f in CHAPTER_TESTS.get(c, [])}
         tests = [f"tests/{p.name}" for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in elsewhere]
-    stubs = [ROOT / "exercises" / p.name for p in solutions]
-    plan = [  # (the part, its --only name, how it runs)
-        (Part("unit tests", "test"), "tests", lambda p: run_pytest(p, [*tests, "-k", GRADE_TESTS])),
-        (Part("lessons under nbval", "cell"), "lessons", lambda p: run_pytest(p, [*nbval, *map(str, lessons)])),
-        (Part("solutions under nbval", "cell"), "solutions", lambda p: run_pytest(p, [*nbval, *map(str, solutions)])),
-        (Part("grade report: solutions pass", "exercise"), "grades", lambda p: run_grade(p, solutions, expect_pass=True)),
-        (Part("grade report: stubs fail", "exercise"), "grades", lambda p: run_grade(p, stubs, expect_pass=False)),
-    ]
-    parts = [part for part, _, _ in plan]
+    gpus = gpu_ids(args.gpus)
+    from notebooks import read
+    from stamp import stamp_problem
+    stale = [p for p in lessons if args.stamp and (stamp_problem(read(p)) or p.name[:2] in args.restamp)]
+    parts, jobs = plan(args, lessons, solutions, tests, len(gpus), stale)
     start = time.time()
-    for part, name, do in plan:
-        if args.only and name not in args.only:
-            part.left_out = True
-            continue
-        print(f"running {part.what}...", flush=True)
-        do(part)
-        print(f"  {part.passed}/{part.ran} {part.unit}s as expected, {part.failed} not, {part.skipped} skipped, "
-              f"{part.seconds:.0f} s{' (' + part.error + ')' if part.error else ''}", flush=True)
+    print(f"running {len(jobs)} pieces on {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
+          + (f"; stamping {', '.join(p.name for p in stale)}" if stale else "") + "...", flush=True)
+    run_jobs(jobs, gpus)
+    parts = list(parts.values())
     scope = f"chapters {', '.join(sorted(args.chapter))} and the tests of no chapter" if args.chapter else "the whole course"
     if EXTRA_ENV:
         scope += ", as " + " ".join(f"{k}={v}" for k, v in EXTRA_ENV.items())
     if args.only:
         scope += f", parts: {', '.join(args.only)}"
+    if len(gpus) > 1:
+        scope += f", shared out over {len(gpus)} GPUs (times are each part's sum over them)"
     print("\n" + render(parts, f"{gpu}, {scope}", versions, time.time() - start))
     return 0 if all(p.ok for p in parts) else 1
 
