@@ -182,11 +182,15 @@ def test_pieces_share_the_gpus_and_add_up_into_their_part():
 
     seen = []
     lock = threading.Lock()
+    both = threading.Barrier(2, timeout=30)  # each GPU's first piece waits for the other's: neither takes all
     part = gpu_check.Part("unit tests", "test")
 
     def do(piece, env):
         with lock:
+            first = env["CUDA_VISIBLE_DEVICES"] not in seen
             seen.append(env["CUDA_VISIBLE_DEVICES"])
+        if first:
+            both.wait()
         piece.ran, piece.passed, piece.seconds = 2, 1, 1.5
         piece.failed, piece.failures = 1, [f"one failed on GPU {env['CUDA_VISIBLE_DEVICES']}"]
 
@@ -212,3 +216,9 @@ def test_a_failed_stamp_names_the_exception():
     text = "Traceback (most recent call last):\n  File x\nnbclient.exceptions.CellExecutionError: cell 3\nValueError: bad\nexit"
     assert gpu_check._error_line(text) == "ValueError: bad"
     assert gpu_check._error_line("") == "(no output)"
+
+
+def test_a_failed_grader_test_shows_the_line_a_learner_would_read():
+    message = "AssertionError: ✔ 08.5 dx, 7 x 37\n✘ 08.5 speed: 0.85x the speed of PyTorch's\nassert False"
+    assert gpu_check._failure_line(message) == "✘ 08.5 speed: 0.85x the speed of PyTorch's (assert False)"
+    assert gpu_check._failure_line("assert (not True)") == "assert (not True)"

@@ -165,7 +165,7 @@ def run_pytest(part: Part, args: list[str], env: dict | None = None) -> None:
                 part.skips[(outcome.get("message") or "no reason given").strip()] += 1
             else:
                 part.failed += 1
-                part.failures.append(f"{name}: {_last_line(outcome.get('message') or outcome.text or '')}")
+                part.failures.append(f"{name}: {_failure_line(outcome.get('message') or outcome.text or '')}")
         if proc.returncode not in (0, 1) and not part.failed:
             # pytest's own trouble (a crash of the test process, a usage error) after the report was written
             part.error = f"pytest exited {proc.returncode}: {_last_line(proc.stdout + proc.stderr)}"
@@ -268,6 +268,16 @@ def balanced(paths: list[Path], groups: int) -> list[list[Path]]:
         out[i].append(p)
         sizes[i] += len(p.read_text().splitlines())
     return [g for g in out if g]
+
+
+def _failure_line(message: str) -> str:
+    """What a failed test says: an assertion's own message (``assert ok, text``: the grader's report, whose
+    failing line is the one a learner would read) before pytest's restatement of the expression."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith("AssertionError: ") and len(lines) > 1:
+        said = [line for line in lines[:-1] if line.startswith("✘")] or lines[:1]
+        return f"{said[0][:400]} ({lines[-1][:100]})"
+    return _last_line(message)
 
 
 def _last_line(text: str) -> str:
