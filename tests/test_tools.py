@@ -135,3 +135,22 @@ def test_stamping_shows_the_home_directory_as_a_tilde():
     assert stamp.scrub_home(nb, home="/home/ann") == 1
     assert nb.cells[1].outputs[0].text == "cached in ~/.cache/kc/x.json\n"
     assert stamp.stamp_problem(nb) is None  # outputs only: the code hash is unchanged
+
+
+def test_speed_margins_reads_each_graded_speed_line_and_its_threshold():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import speed_margins
+
+    text = "\n".join([
+        "✔ 08.5 dx, 7 x 37: max error 1e-07",
+        "✘ LayerNorm backward at 16384 x 2048 bfloat16: 0.85x the speed of PyTorch's LayerNorm backward "
+        "(0.155 ms vs 0.168 ms); needs at least 0.9x: keep the sums in registers",
+        "✔ matrix add 4099 x 4101: 2100 GB/s, 62% of a copy's bandwidth measured now (needs 60%)",
+        "✘ the causal kernel at (heads, N, d) = (64, 4096, 64), against its own run with every key visible: "
+        "causal 0.136 ms, every key 0.158 ms: 0.86x, needs at most 0.75x: loop over fewer keys",
+        "– 08.5 LayerNorm backward at 16384 x 2048 16-bit: speed needs a GPU (not graded here)"])
+    assert speed_margins.speed_lines(text) == {
+        "LayerNorm backward at 16384 x 2048 bfloat16": (0.85, 0.9, False),
+        "matrix add 4099 x 4101": (62.0, 60.0, False),
+        "the causal kernel at (heads, N, d) = (64, 4096, 64), against its own run with every key visible": (0.86, 0.75, True)}
+    assert set(speed_margins.versions()) == {"01.6", "04.5", "05.4", "06.8", "07.5", "08.5", "09.4"}
