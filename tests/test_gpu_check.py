@@ -222,3 +222,11 @@ def test_a_failed_grader_test_shows_the_line_a_learner_would_read():
     message = "AssertionError: ✔ 08.5 dx, 7 x 37\n✘ 08.5 speed: 0.85x the speed of PyTorch's\nassert False"
     assert gpu_check._failure_line(message) == "✘ 08.5 speed: 0.85x the speed of PyTorch's (assert False)"
     assert gpu_check._failure_line("assert (not True)") == "assert (not True)"
+
+
+def test_the_summary_names_the_slowest_tests():
+    part = gpu_check.Part("unit tests", "test", ran=3, passed=3)
+    part.add(gpu_check.Part("unit tests", "test", slowest=[(0.5, "a"), (30.0, "b")]))
+    part.add(gpu_check.Part("unit tests", "test", slowest=[(12.0, "c")]))
+    text = gpu_check.render([part], "a GPU", {"torch": "2"}, 1.0)
+    assert "the 3 slowest:" in text and text.index("b") < text.index("  12.0 s  c") < text.index("a\n")

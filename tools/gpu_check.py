@@ -77,6 +77,7 @@ PRE_HOPPER_SHARED_MEM = 99 * 1024          # an L4's shared memory per block, th
 # --as-t4: the course's choices for a T4, on a newer GPU (see the docstring)
 AS_T4 = {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "7.5"}
 T4_SHARED_MEM = 64 * 1024
+SLOWEST = 12                               # the slowest tests the summary names
 EXTRA_ENV: dict[str, str] = {}             # set by main() from the flags, passed to every child process
 
 
@@ -93,6 +94,7 @@ class Part:
     skips: Counter = field(default_factory=Counter)
     error: str = ""                # the part could not run at all
     left_out: bool = False         # not run on purpose (--only): neither a pass nor a failure
+    slowest: list[tuple[float, str]] = field(default_factory=list)  # (seconds, test): where a part's time goes
 
     @property
     def ok(self) -> bool:
@@ -107,6 +109,7 @@ class Part:
         self.seconds += other.seconds
         self.failures += other.failures
         self.skips.update(other.skips)
+        self.slowest = sorted(self.slowest + other.slowest, reverse=True)[:SLOWEST]
         self.error = "; ".join(filter(None, [self.error, other.error]))
 
 
@@ -156,6 +159,7 @@ def run_pytest(part: Part, args: list[str], env: dict | None = None) -> None:
             return
         for case in ET.parse(xml).getroot().iter("testcase"):
             name = f"{case.get('classname', '')}::{case.get('name')}"
+            part.slowest.append((float(case.get("time") or 0.0), name))
             part.ran += 1
             outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
             if outcome is None:
@@ -311,6 +315,9 @@ def render(parts: list[Part], gpu: str, versions: dict, seconds: float) -> str:
         if p.failures:
             lines.append(f"\n{p.what}, failed:")
             lines += [f"  {f}" for f in p.failures]
+        if p.slowest and p.unit == "test":
+            lines.append(f"\n{p.what}, the {min(SLOWEST, len(p.slowest))} slowest:")
+            lines += [f"  {t:6.1f} s  {name}" for t, name in sorted(p.slowest, reverse=True)[:SLOWEST]]
         if p.skips:
             lines.append(f"\n{p.what}, skipped here and why:")
             lines += [f"  {n} x {reason}" for reason, n in sorted(p.skips.items())]
