@@ -230,3 +230,39 @@ def test_the_summary_names_the_slowest_tests():
     part.add(gpu_check.Part("unit tests", "test", slowest=[(12.0, "c")]))
     text = gpu_check.render([part], "a GPU", {"torch": "2"}, 1.0)
     assert "the 3 slowest:" in text and text.index("b") < text.index("  12.0 s  c") < text.index("a\n")
+
+
+def test_stamps_run_first_one_at_a_time_with_nothing_beside_them():
+    import threading
+    import time
+
+    running, events = [], []
+    lock = threading.Lock()
+    part = gpu_check.Part("lessons", "cell")
+
+    def do(name):
+        def run(piece, env):
+            with lock:
+                running.append(name)
+                events.append((name, tuple(running)))
+            time.sleep(0.02)
+            with lock:
+                running.remove(name)
+            piece.ran = piece.passed = 1
+        return run
+
+    jobs = [gpu_check.Job(part, f"test {i}", 100.0, do(f"test {i}")) for i in range(4)]
+    jobs += [gpu_check.Job(part, f"stamp {i}", 1.0, do(f"stamp {i}"), alone=True) for i in range(2)]
+    gpu_check.run_jobs(jobs, ["0", "1"])
+    assert sorted(name for name, _ in events[:2]) == ["stamp 0", "stamp 1"]  # before every other piece
+    assert all(together == (name,) for name, together in events if name.startswith("stamp"))
+    assert part.ran == 6
+
+
+def test_processes_that_share_a_machine_each_get_their_share_of_the_cores(monkeypatch):
+    for name in gpu_check.THREAD_POOLS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gpu_check.os, "cpu_count", lambda: 32)
+    env = gpu_check.child_env("1", sharing=2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["OMP_NUM_THREADS"] == env["TORCHINDUCTOR_COMPILE_THREADS"] == "16"
+    assert "OMP_NUM_THREADS" not in gpu_check.child_env()

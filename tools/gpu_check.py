@@ -35,7 +35,8 @@ alone (CUDA_VISIBLE_DEVICES). A speed check then has its GPU to itself. --gpus N
 
 executes each lesson whose stamp is stale (its code changed since its GPU run) with tools/stamp.py --record
 instead of nbval, so that checking the course and stamping what changed cost one run of each lesson;
---restamp NN also stamps lesson NN (one whose printed results depend on package code that changed).
+--restamp NN also stamps lesson NN (one whose printed results depend on package code that changed). The
+lessons it stamps run first, one at a time, with nothing else on the machine: their timings are published.
 """
 from __future__ import annotations
 
@@ -120,16 +121,28 @@ class Job:
     label: str
     weight: float                  # the seconds it is expected to take: the longest start first
     do: Callable[[Part, dict], None]
+    alone: bool = False            # runs with nothing else on the machine (a stamp: its timings are published)
 
 
 def missing_stack() -> list[str]:
     return sorted({pip for module, pip in NEEDED.items() if importlib.util.find_spec(module) is None})
 
 
-def child_env(gpu: str | None = None) -> dict:
+# Thread pools a process sizes from the machine's cores: CPU-side BLAS (the graders' float64 references) and
+# torch.compile's compile workers. Processes that share a machine each get their share of the cores.
+THREAD_POOLS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
+
+
+def child_env(gpu: str | None = None, sharing: int = 1) -> dict:
+    """The environment of a check's process: this checkout's package, the GPU world, the mode's variables;
+    ``gpu`` the one GPU it sees, ``sharing`` how many such processes run at once (each gets its share of the
+    cores, so that one's bursts of CPU work do not slow another's timings)."""
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
+    if sharing > 1:
+        for name in THREAD_POOLS:
+            env.setdefault(name, str(max(1, (os.cpu_count() or 1) // sharing)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env["KC_WORLD"] = "gpu"  # a GPU that vanished fails loudly instead of quietly testing the CPU path
     env.pop("TRITON_INTERPRET", None)
@@ -224,7 +237,16 @@ def _error_line(text: str) -> str:
 
 
 def run_jobs(jobs: list[Job], gpus: list[str]) -> None:
-    """Run the jobs on the GPUs, each GPU one job at a time, the longest first; print each as it ends."""
+    """Run the jobs on the GPUs, each GPU one job at a time, the longest first; print each as it ends.
+
+    The jobs marked ``alone`` run first, one after another, with nothing else on the machine: a stamped
+    lesson publishes its timings, and some of them (launch costs, torch.compile's calls) are the CPU's, which
+    another process on the same host (torch.compile's workers, say) would slow down."""
+    _share([j for j in jobs if j.alone], gpus[:1], len(gpus) > 1)
+    _share([j for j in jobs if not j.alone], gpus, len(gpus) > 1)
+
+
+def _share(jobs: list[Job], gpus: list[str], name_gpu: bool) -> None:
     todo: queue.Queue = queue.Queue()
     for job in sorted(jobs, key=lambda j: -j.weight):
         todo.put(job)
@@ -237,10 +259,10 @@ def run_jobs(jobs: list[Job], gpus: list[str]) -> None:
             except queue.Empty:
                 return
             piece = Part(job.part.what, job.part.unit)
-            job.do(piece, child_env(gpu if len(gpus) > 1 else None))
+            job.do(piece, child_env(gpu if name_gpu else None, sharing=len(gpus)))
             with lock:
                 job.part.add(piece)
-                where = f" on GPU {gpu}" if len(gpus) > 1 else ""
+                where = f" on GPU {gpu}" if name_gpu else ""
                 print(f"  {job.label}{where}: {piece.passed}/{piece.ran} {piece.unit}s as expected, {piece.failed} not, "
                       f"{piece.skipped} skipped, {piece.seconds:.0f} s{' (' + piece.error + ')' if piece.error else ''}",
                       flush=True)
@@ -402,7 +424,7 @@ def plan(args, lessons: list[Path], solutions: list[Path], tests: list[str], n_g
     if not parts["lessons"].left_out:
         for lesson in stale:
             jobs.append(Job(parts["lessons"], f"{lesson.name}, stamped", seconds(lesson),
-                            lambda p, env, n=lesson: run_stamp(p, n, args.cell_timeout, env)))
+                            lambda p, env, n=lesson: run_stamp(p, n, args.cell_timeout, env), alone=True))
         for group in pieces([p for p in lessons if p not in stale]) if [p for p in lessons if p not in stale] else []:
             jobs.append(Job(parts["lessons"], "lessons" if len(group) > 1 else group[0].name, sum(map(seconds, group)),
                             lambda p, env, g=group: run_pytest(p, [*nbval, *map(str, g)], env)))
