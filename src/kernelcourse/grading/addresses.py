@@ -159,6 +159,115 @@ def checked():
         _launch_tensors.clear()
 
 
+@contextmanager
+def traffic():
+    """Count, while active, the lanes that the ``tl.load`` and ``tl.store`` calls of kernels launched in the
+    interpreter move, per kernel and argument: yields a ``Counter`` of ``(kernel name, argument name, "load"
+    or "store") -> lanes`` (masked-off lanes not counted), filled as kernels run. Yields None where Triton
+    is not running in its interpreter.
+
+    What a grader reads it for: memory traffic a correct kernel never makes (a load of its own partial
+    sums, say), visible here whatever the speed of the machine.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield None
+        return
+    from collections import Counter
+
+    from triton.runtime import interpreter as ti
+
+    counts: Counter = Counter()
+    tensors: list[tuple[str, int, int]] = []
+    kernel = [""]  # the name of the kernel running
+    cls, grid = ti.InterpreterBuilder, ti.GridExecutor
+    saved = {name: getattr(cls, name) for name in ("create_load", "create_store", "create_masked_load",
+                                                     "create_masked_store")}
+    saved_init = grid._init_args_hst
+
+    def init_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = saved_init(self, args_dev, kwargs)
+        tensors[:] = _tensors(self.arg_names, args_hst, kwargs_hst)
+        kernel[0] = getattr(self.fn, "__name__", "")
+        return args_hst, kwargs_hst
+
+    def count(kind, ptrs, mask):
+        p = np.asarray(ptrs).astype(np.uint64, copy=False).ravel()
+        if mask is not None:
+            p = p[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).ravel()]
+        for name, lo, hi in tensors:
+            n = int(((p >= lo) & (p < hi)).sum())
+            if n:
+                counts[(kernel[0], name, kind)] += n
+
+    def create_load(self, ptr, *args, **kwargs):
+        count("load", ptr.data, None)
+        return saved["create_load"](self, ptr, *args, **kwargs)
+
+    def create_store(self, ptr, *args, **kwargs):
+        count("store", ptr.data, None)
+        return saved["create_store"](self, ptr, *args, **kwargs)
+
+    def create_masked_load(self, ptrs, mask, *args, **kwargs):
+        count("load", ptrs.data, mask.data)
+        return saved["create_masked_load"](self, ptrs, mask, *args, **kwargs)
+
+    def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
+        count("store", ptrs.data, mask.data)
+        return saved["create_masked_store"](self, ptrs, value, mask, *args, **kwargs)
+
+    cls.create_load, cls.create_store = create_load, create_store
+    cls.create_masked_load, cls.create_masked_store = create_masked_load, create_masked_store
+    grid._init_args_hst = init_args
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+        grid._init_args_hst = saved_init
+
+
+def loads_in_compiled(kernel, arg: str) -> int | None:
+    """How many ``tl.load`` calls, in the code Triton compiled for ``kernel`` on this GPU (every variant it
+    compiled: its Triton IR, where branches on constexprs are already gone), read through a pointer made
+    from argument ``arg``. None when nothing was compiled (in the interpreter, or before a launch)."""
+    from ..targets import _jit_function
+
+    fn = getattr(kernel, "kernel", kernel)  # a wrapper that binds constexprs keeps the kernel it launches
+    fn = _jit_function(fn)
+    texts = []
+    for caches in list(getattr(fn, "device_caches", {}).values()):
+        kernels = caches[0].values() if caches and isinstance(caches[0], dict) else []
+        texts += [k.asm.get("ttir") for k in kernels if isinstance(getattr(k, "asm", None), dict)]
+    texts = [t for t in texts if t]
+    return max(loads_through(t, arg) for t in texts) if texts else None
+
+
+def loads_through(ttir: str, arg: str) -> int:
+    """The ``tt.load`` operations of Triton IR text ``ttir`` whose pointer derives from argument ``arg``
+    (through ``tt.addptr``, ``tt.splat``, ``tt.broadcast``, ``tt.expand_dims``, ``tt.reshape``, and the
+    loop variables of ``scf.for`` it starts)."""
+    import re
+
+    derived = {f"%{arg}"}
+    assign = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)? = tt\.(addptr|splat|broadcast|expand_dims|reshape|advance)\s+(%[\w.$-]+)")
+    loop_var = re.compile(r"(%[\w.$-]+) = (%[\w.$-]+)")
+    lines = ttir.splitlines()
+    for _ in range(len(lines)):  # to a fixed point: an scf.for can carry a pointer made below its line
+        before = len(derived)
+        for line in lines:
+            m = assign.match(line)
+            if m and m.group(3) in derived:
+                derived.add(m.group(1))
+            if "scf.for" in line and "iter_args(" in line:
+                for var, init in loop_var.findall(line.split("iter_args(", 1)[1]):
+                    if init in derived:
+                        derived.add(var)
+        if len(derived) == before:
+            break
+    load = re.compile(r"= tt\.load (%[\w.$-]+)")
+    return sum(1 for line in lines for m in [load.search(line)] if m and m.group(1) in derived)
+
+
 # ---- float32 math ----------------------------------------------------------------------------------
 
 MATH = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2", "sqrt": "tl.sqrt",

@@ -350,6 +350,9 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
                     line += ": each program must add up all of its rows (dw += ...), not keep the last one"
             if not report.expect(ok, line, line):
                 return
+    # traffic a correct kernel never makes, whatever the speed of the GPU: reading its partial sums back
+    if not partial_sums_stay_in_registers(report, layer_norm_backward_kernel, rng):
+        return
     # speed: the whole backward (this kernel and the column sum) against PyTorch's, in 16-bit, at a large shape
     n_rows, n_cols = 16384, 2048
     if not world().gpu:
@@ -367,10 +370,47 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     # a peer that does the same work with the sums in registers, it cannot
     speed_vs_peers(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
                    lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
-                   lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9,
-                   "keep each program's partial dW and dB in registers across its rows (dw += dy * xhat) and "
-                   "store them once at the end: a load and a store of the partial sums for every row costs "
-                   "memory traffic and makes each row wait for the last")
+                   lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, KEEP_IN_REGISTERS)
+
+
+KEEP_IN_REGISTERS = ("keep each program's partial dW and dB in registers across its rows (dw += dy * xhat) and "
+                     "store them once at the end: a load and a store of the partial sums for every row costs "
+                     "memory traffic and makes each row wait for the last")
+
+
+def partial_sums_stay_in_registers(report: Report, kernel, rng) -> bool:
+    """08.5: the kernel never loads from ``part``. On the CPU, counted as Triton's interpreter runs it; on a GPU,
+    read from the code Triton compiled for it (the launches of the checks above)."""
+    import torch
+
+    from .. import transformer as T
+    from ..targets import _jit_function
+    from .addresses import loads_in_compiled, traffic
+
+    fn = _jit_function(getattr(kernel, "kernel", kernel))
+    names = list(getattr(fn, "arg_names", []))
+    part = names[5] if len(names) > 5 else "part_ptr"  # the sixth argument, as the statement orders them
+    if world().gpu:
+        loads = loads_in_compiled(kernel, part)
+        where = f"its compiled code has {loads} tl.load of `{part}`" if loads else ""
+    else:
+        rows, cols, programs = 24, int(rng.integers(33, 64)), 3
+        h = torch.from_numpy(rand(rng, (rows, cols))).float()
+        dy = torch.from_numpy(rand(rng, (rows, cols))).float()
+        w = torch.from_numpy(rng.uniform(0.5, 1.5, cols)).float()
+        try:
+            with traffic() as counts:
+                T.layer_norm_backward(h, w, dy, EPS, programs=programs, kernel=kernel)
+        except Exception as exc:  # noqa: BLE001
+            return report.expect(False, "", f"{rows} x {cols}, {programs} programs: {explain(exc)}")
+        loads = None if counts is None else counts[(getattr(fn, "__name__", ""), part, "load")]
+        where = (f"at {rows} x {cols} on {programs} programs of {rows // programs} rows it loaded {loads} values of "
+                 f"`{part}`") if loads else ""
+    if loads is None:  # nothing to read it from: the speed check below still times it
+        return True
+    return report.expect(not loads, f"partial sums: `{part}` is written once per program and never read back",
+                         f"partial sums: {where}, which a kernel that keeps them in registers never reads: "
+                         + KEEP_IN_REGISTERS)
 
 
 # ---- 08.6 fused cross-entropy: the loss and the gradient of the logits in one pass --------------------
