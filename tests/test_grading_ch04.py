@@ -458,6 +458,17 @@ def rms_no_load_mask(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK
     tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
 
 
+@triton.jit
+def rms_own_eps(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + 1e-5)  # the statement's eps, written in
+    tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
+
+
 @pytest.mark.parametrize("kernel", [rms_ok, rms_ok_rsqrt])
 def test_04_4_accepts_correct(kernel):
     passed, text = grade("04.4", rms_norm_kernel=kernel)
@@ -467,6 +478,7 @@ def test_04_4_accepts_correct(kernel):
 @pytest.mark.parametrize("kernel, hint", [
     (rms_block_mean, "not BLOCK"),
     (rms_no_eps, "add eps inside the square root"),
+    (rms_own_eps, "use the eps argument"),
     (rms_no_weight, "multiply by the weight"),
     dtype_case(rms_fp16_stats, "(`ms = tl.sum(x * x, axis=0) / n_cols`) computes in fp16: do the math in float32"),
     address_case(rms_no_load_mask, "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
@@ -589,7 +601,7 @@ def gn_kernel(x_ptr, w_ptr, b_ptr, y_ptr, C, HW, n_groups, eps, BLOCK: tl.conste
         var = (tl.sum(acc_sq, axis=0) - n * mean * mean) / (n - 1)
     else:
         var = tl.sum(acc_sq, axis=0).to(tl.float32) / n - mean * mean
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = 1.0 / tl.sqrt(var + (1e-5 if MISTAKE == "own_eps" else eps))
     for start in range(0, n, STEP):
         offs = start + lanes
         mask = offs < n
@@ -632,6 +644,7 @@ def test_04_6_accepts_correct(kernel):
     ("interleaved", "a group is C // n_groups consecutive channels"),
     address_case("unmasked", "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
     ("hardcoded", "wrong with BLOCK=64: use the BLOCK argument everywhere"),
+    ("own_eps", "use the eps argument"),
 ])
 def test_04_6_rejects_wrong(mistake, hint):
     passed, text = grade("04.6", group_norm_silu_kernel=GroupNormWith(mistake))
@@ -710,6 +723,12 @@ def rows_launcher(packed=False, out_dtype=None, kernel=None):
                                                                y.stride(0), eps, BLOCK=BLOCK, ROWS=ROWS)
         return y
     return rms_norm_rows
+
+
+def test_04_5_rejects_an_eps_of_its_own():
+    launcher = rows_launcher()
+    passed, text = grade("04.5", rms_norm_rows=lambda x, w, eps: launcher(x, w, 1e-5))
+    assert not passed and "use the eps argument" in text, text
 
 
 def test_04_5_accepts_a_strided_x():

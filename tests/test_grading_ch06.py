@@ -633,3 +633,30 @@ def test_06_8_compares_the_causal_run_with_the_same_kernels_run_over_every_key()
 def test_06_7_probes_the_tile_that_starts_at_the_last_query():
     passed, text = grade("06.7", causal_attention_kernel=CausalVariant())
     assert passed and "N_Q=49, N_K=49, d=16, BLOCK_M=16" in text and "N_K=53" in text, text
+
+
+def test_06_3_draws_its_values_on_every_run(monkeypatch, tmp_path):
+    """Outputs copied from one run (keyed by their inputs) answer nothing on the next: the values are fresh. (The
+    grader runs the function in a child process on the CPU: the record goes through a file.)"""
+    import pickle
+
+    book = tmp_path / "answers.pkl"
+
+    def recording(q, k, v, block_n, causal=False):
+        seen = pickle.loads(book.read_bytes()) if book.exists() else {}
+        out = tiled_ok(q, k, v, block_n, causal)
+        seen[(q.numpy().tobytes(), causal)] = tuple(t.numpy() for t in out)  # arrays: unpickling makes no tensors
+        book.write_bytes(pickle.dumps(seen))
+        return out
+
+    def copied(q, k, v, block_n, causal=False):
+        seen = pickle.loads(book.read_bytes())
+        return tuple(torch.from_numpy(a) for a in seen.get((q.numpy().tobytes(), causal), next(iter(seen.values()))))
+
+    monkeypatch.setenv("KC_GRADE_SEED", "21")
+    assert grade("06.3", tiled_attention=recording)[0]
+    same = grade("06.3", tiled_attention=copied)
+    assert same[0], same[1]  # the same run's cases: the copy answers them
+    monkeypatch.setenv("KC_GRADE_SEED", "22")
+    passed, text = grade("06.3", tiled_attention=copied)
+    assert not passed, text

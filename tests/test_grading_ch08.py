@@ -49,7 +49,7 @@ def make_dx_kernel(mistake=""):
             d = x - mean
         else:
             d = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + (1e-5 if MISTAKE == "own_eps" else eps))
         xhat = d * rstd
         g = dy if MISTAKE == "no_w" else dy * w
         if MISTAKE == "padding":
@@ -99,6 +99,7 @@ def test_08_1_accepts_correct():
     ("no_c2", "mean(g) term is missing"),
     ("padding", "is not 0 in the padding"),
     ("half_sum", "float32"),
+    ("own_eps", "use the eps argument"),
 ])
 def test_08_1_rejects_mistakes(mistake, hint):
     passed, text = grade("08.1", layer_norm_dx_kernel=make_dx_kernel(mistake))
@@ -306,25 +307,26 @@ def make_fused(mistake=""):
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         db = tl.zeros((BLOCK,), dtype=tl.float32)
         part = part_ptr + pid * 2 * n_cols + cols  # this program's partial dW, then its partial dB
+        rs = n_cols if MISTAKE == "packed" else stride  # "packed": rows taken to be n_cols apart
         for i in range(ROWS_PER_PROGRAM):
             row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
             m = mask & (row < n_rows)
-            h = tl.load(h_ptr + row * stride + cols, mask=m, other=0.0)
+            h = tl.load(h_ptr + row * rs + cols, mask=m, other=0.0)
             if MISTAKE == "half_sum":  # the row sum in the input's 16 bits, the rest in float32
                 mean = tl.sum(h, axis=0).to(tl.float32) / n_cols
                 h = h.to(tl.float32)
             else:
                 h = h.to(tl.float32)
                 mean = tl.sum(h, axis=0) / n_cols
-            dy = tl.load(dy_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * rs + cols, mask=m, other=0.0).to(tl.float32)
             d = tl.where(mask, h - mean, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + (1e-5 if MISTAKE == "own_eps" else eps))
             xhat = d * rstd
             g = dy * w
             dx = (g - (xhat * tl.sum(xhat * g, axis=0) / n_cols + tl.sum(g, axis=0) / n_cols)) * rstd
             if HAS_DRES and MISTAKE != "no_dres":
-                dx += tl.load(dres_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(dx_ptr + row * stride + cols, dx, mask=m)
+                dx += tl.load(dres_ptr + row * rs + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * rs + cols, dx, mask=m)
             if MISTAKE == "last_row":
                 dw = dy * xhat
                 db = dy
@@ -356,6 +358,8 @@ def test_08_5_accepts_correct():
     ("no_dres", "add dres"),
     ("last_row", "add up all of its rows"),
     ("half_sum", "float32"),
+    ("own_eps", "use the eps argument"),
+    ("packed", "not r * n_cols"),
 ])
 def test_08_5_rejects_mistakes(mistake, hint):
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
@@ -370,6 +374,69 @@ def test_08_5_rejects_partial_sums_kept_in_memory_on_every_machine():
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused("partials_through_memory"))
     assert not passed and "never reads" in text and "keep each program's partial dW and dB in registers" in text, text
     assert "LayerNorm backward at 16384 x 2048" not in text, text  # rejected before any timing
+
+
+@triton.jit
+def ln_backward_reading_back(h_ptr, dy_ptr, dres_ptr, w_ptr, dx_ptr, part_ptr, n_rows, n_cols, stride, eps,
+                             ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, HAS_DRES: tl.constexpr):
+    # a learner's kernel as written, no wrapper: right numbers, partial sums added up in memory row by row
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    part = part_ptr + pid * 2 * n_cols + cols
+    tl.store(part, tl.zeros((BLOCK,), dtype=tl.float32), mask=mask)
+    tl.store(part + n_cols, tl.zeros((BLOCK,), dtype=tl.float32), mask=mask)
+    for i in range(ROWS_PER_PROGRAM):
+        row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
+        m = mask & (row < n_rows)
+        h = tl.load(h_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+        mean = tl.sum(h, axis=0) / n_cols
+        d = tl.where(mask, h - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
+        xhat = d * rstd
+        g = dy * w
+        dx = (g - (xhat * tl.sum(xhat * g, axis=0) / n_cols + tl.sum(g, axis=0) / n_cols)) * rstd
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride + cols, dx, mask=m)
+        tl.store(part, tl.load(part, mask=mask) + dy * xhat, mask=mask)
+        tl.store(part + n_cols, tl.load(part + n_cols, mask=mask) + dy, mask=mask)
+
+
+def test_08_5_rejects_a_plain_kernel_that_reads_its_partial_sums_back():
+    passed, text = grade("08.5", layer_norm_backward_kernel=ln_backward_reading_back)
+    assert not passed and "never reads" in text and "`part_ptr`" in text, text
+
+
+def test_08_5_reads_the_loads_from_every_variant_compiled_on_a_gpu():
+    """On a GPU the check reads the Triton IR of what the checks above compiled: from a JITFunction's
+    device caches (whose ``.kernel`` is None), or from the kernel a wrapper launches."""
+    from kernelcourse.grading.addresses import compiled_function, loads_in_compiled
+
+    reads = "%p = tt.addptr %part_ptr, %o : !tt.ptr<f32>, i32\n%q = tt.splat %p : !tt.ptr<f32> -> tensor<64x!tt.ptr<f32>>\n" \
+            "%r = tt.addptr %q, %cols : tensor<64x!tt.ptr<f32>>, tensor<64xi32>\n%v = tt.load %r, %mask : tensor<64x!tt.ptr<f32>>"
+    keeps = reads.replace("%v = tt.load %r", "tt.store %r, %acc")
+
+    class Compiled:
+        def __init__(self, ttir):
+            self.asm = {"ttir": ttir, "ptx": ""}
+
+    class Jit:  # what a launch leaves in a JITFunction
+        kernel = None
+        arg_names = ["h_ptr", "dy_ptr", "dres_ptr", "w_ptr", "dx_ptr", "part_ptr"]
+
+        def __init__(self, *ttirs):
+            self.device_caches = {0: ({i: Compiled(t) for i, t in enumerate(ttirs)}, None, None, None)}
+
+    class Wrapper:  # binds a constexpr, keeps the kernel it launches
+        def __init__(self, kernel):
+            self.kernel, self.fn = kernel, (lambda: None)
+
+    assert loads_in_compiled(Jit(keeps, reads), "part_ptr") == 1 and loads_in_compiled(Jit(keeps), "part_ptr") == 0
+    assert loads_in_compiled(Wrapper(Jit(reads)), "part_ptr") == 1 and loads_in_compiled(Jit(), "part_ptr") is None
+    assert compiled_function(Wrapper(Jit())).arg_names[5] == "part_ptr"
 
 
 def test_08_5_counts_loads_of_the_partial_sums_in_compiled_code():
@@ -517,3 +584,48 @@ def test_08_6_rejects_pytorch_doing_the_work():
 
     passed, text = grade("08.6", cross_entropy_fwd_bwd=with_pytorch)
     assert not passed and "tensors as large as the logits" in text, text
+
+
+def test_08_6_draws_its_values_and_an_ignore_index_on_every_run(monkeypatch, tmp_path):
+    """A launcher that fixes ignore_index at a value it saw (-100, PyTorch's default) fails the case whose class id is
+    drawn; answers copied from one run answer nothing on the next (recorded through a file: on the CPU the grader
+    runs the function in a child process)."""
+    import pickle
+
+    launcher = ce_launcher()
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=lambda logits, target, ignore_index, BLOCK:
+                         launcher(logits, target, -100, BLOCK))
+    assert not passed and "ignore_index=" in text, text
+
+    book = tmp_path / "answers.pkl"
+
+    def recording(logits, target, ignore_index, BLOCK):
+        seen = pickle.loads(book.read_bytes()) if book.exists() else {}
+        loss, grad = launcher(logits, target, ignore_index, BLOCK)
+        seen[logits.cpu().numpy().tobytes()] = (loss.cpu(), grad.cpu())
+        book.write_bytes(pickle.dumps(seen))
+        return loss, grad
+
+    def copied(logits, target, ignore_index, BLOCK):
+        seen = pickle.loads(book.read_bytes())
+        loss, grad = seen.get(logits.cpu().numpy().tobytes(), next(iter(seen.values())))
+        return loss.to(logits.device), grad.to(logits.device)
+
+    monkeypatch.setenv("KC_GRADE_SEED", "11")
+    assert grade("08.6", cross_entropy_fwd_bwd=recording)[0]
+    assert grade("08.6", cross_entropy_fwd_bwd=copied)[0]  # the same run's cases: the copy answers them
+    monkeypatch.setenv("KC_GRADE_SEED", "12")
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=copied)
+    assert not passed, text
+
+
+def test_08_6_rejects_a_gradient_in_another_dtype():
+    """float16 logits, a float32 gradient: right values, twice the memory, and not what F.cross_entropy returns."""
+    launcher = ce_launcher()
+
+    def float32_grad(logits, target, ignore_index, BLOCK):
+        loss, grad = launcher(logits, target, ignore_index, BLOCK)
+        return loss, grad.float()
+
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=float32_grad)
+    assert not passed and "allocate it in the logits' dtype" in text, text

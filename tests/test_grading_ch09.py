@@ -374,3 +374,12 @@ def test_09_4_typical_mistakes_are_named(kwargs, message):
 def test_the_model_of_09_4_is_launch_bound_sized():
     model = ch09.launch_bound_mlp(0, "cpu")
     assert sum(isinstance(m, torch.nn.Linear) for m in model) == ch09.DEPTH
+
+
+def test_09_4_rejects_a_step_that_keeps_a_learning_rate_of_its_own():
+    """The grader draws lr on every run (never 1e-3): a step that writes AdamW(lr=1e-3) in updates otherwise."""
+    def fixed_lr(model, lr):
+        return make_train_step(model, 1e-3)
+
+    passed, text = grade("09.4", make_train_step=fixed_lr)
+    assert not passed and "use the lr argument" in text, text

@@ -226,14 +226,23 @@ def traffic():
         grid._init_args_hst = saved_init
 
 
+def compiled_function(kernel):
+    """The JITFunction (or, in the interpreter, the InterpretedFunction) that launching ``kernel`` runs: under
+    autotune or heuristics wrappers, or inside a wrapper that binds constexprs and keeps it as ``.kernel``."""
+    from ..targets import _jit_function
+
+    fn = _jit_function(kernel)
+    if not hasattr(fn, "arg_names"):  # a plain function under a wrapper (JITFunction.kernel is None: not that)
+        inner = getattr(kernel, "kernel", None)
+        fn = _jit_function(inner) if inner is not None else fn
+    return fn
+
+
 def loads_in_compiled(kernel, arg: str) -> int | None:
     """How many ``tl.load`` calls, in the code Triton compiled for ``kernel`` on this GPU (every variant it
     compiled: its Triton IR, where branches on constexprs are already gone), read through a pointer made
     from argument ``arg``. None when nothing was compiled (in the interpreter, or before a launch)."""
-    from ..targets import _jit_function
-
-    fn = getattr(kernel, "kernel", kernel)  # a wrapper that binds constexprs keeps the kernel it launches
-    fn = _jit_function(fn)
+    fn = compiled_function(kernel)
     texts = []
     for caches in list(getattr(fn, "device_caches", {}).values()):
         kernels = caches[0].values() if caches and isinstance(caches[0], dict) else []

@@ -21,8 +21,8 @@ from . import POISON, Report, compare, exercise, explain, fresh_rng
 # The Triton grading harness (``harness``), re-exported here for the graders that import it from ch04.
 from .harness import (  # noqa: F401
     GUARD, NAN, PAD, STUB, compare_rows, data_mask, diagnose, exact, framed, host, in_float32, launch,
-    not_a_kernel, nothing_written, outside_writes, rand, rounding_floor, sizes, to_numpy, tolerance,
-    torch_dtype)
+    USUAL_EPS, draw_eps, not_a_kernel, nothing_written, outside_writes, own_eps_hint, rand, rounding_floor, sizes,
+    to_numpy, tolerance, torch_dtype)
 
 
 def gelu64(x):
@@ -252,8 +252,8 @@ def grade_rms_norm(report: Report, rms_norm_kernel):
 
     if (msg := not_a_kernel(rms_norm_kernel, "rms_norm_kernel")):
         return report.fail(msg)
-    eps = 1e-5
     rng = fresh_rng(report)
+    eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # (rows, cols, dtype, BLOCK wider than needed), as in 04.3
     cases = sizes([(1, 1, "fp32", False), (6, 100, "fp32", False), (3, 1000, "fp32", False), (6, 100, "fp16", False),
                    (3, int(rng.integers(1030, 1500)), "fp32", False), (4, int(rng.integers(20, 200)), "fp32", True)],
@@ -293,6 +293,7 @@ def grade_rms_norm(report: Report, rms_norm_kernel):
                 ("add eps inside the square root: rsqrt(mean(x * x) + eps)", row / np.sqrt(ms) * ws),
                 ("eps goes inside the square root, not after it", row / (np.sqrt(ms) + eps) * ws),
                 ("multiply by the weight w", row / np.sqrt(ms + eps)),
+                (own_eps_hint(eps), row / np.sqrt(ms + USUAL_EPS) * ws),
                 *([("x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32))",
                     np.zeros_like(row))] if dtype == "fp16" and np.abs(row).max() > 256 else []),
                 ("that is LayerNorm; RMSNorm does not subtract the mean",
@@ -323,9 +324,9 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
     if not callable(rms_norm_rows) or hasattr(rms_norm_rows, "__getitem__"):
         return report.fail("rms_norm_rows should be a plain Python function that launches your kernel and "
                            "returns y, not the kernel itself")
-    eps = 1e-5
     dev = "cuda" if world().gpu else "cpu"
     rng = fresh_rng(report)
+    eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # (rows, cols, dtype, x's rows further apart than n_cols): x is sometimes a view into a wider tensor (the
     # heads of a fused projection), whose rows are stride_x apart
     cases = sizes([(1, 1, "fp32", False), (37, 128, "fp32", False), (130, 64, "fp16", False), (19, 100, "fp16", False),
@@ -372,7 +373,10 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
                                    "as stride_x and address row r at x_ptr + r * stride_x")
         passed, line = compare_rows(got, truth, reference, what, nonfinite=(
             "x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32))"))
-        if not passed and got.shape == truth.shape:
+        if not passed and got.shape == truth.shape and np.allclose(got.astype(np.float64), rms_norm64(xs, ws, USUAL_EPS),
+                                                                    rtol=1e-2, atol=1e-3):
+            line += f": {own_eps_hint(eps)}"
+        elif not passed and got.shape == truth.shape:
             done = np.isclose(got.astype(np.float64), truth, rtol=1e-2, atol=1e-3).all(axis=1)
             if done.any() and not done.all():
                 first = int(np.flatnonzero(~done)[0])
@@ -458,7 +462,6 @@ def grade_group_norm_silu(report: Report, group_norm_silu_kernel):
 
     if (msg := not_a_kernel(group_norm_silu_kernel, "group_norm_silu_kernel")):
         return report.fail(msg)
-    eps = 1e-5
     # (B, C, H, W, groups, dtype, mean offset of the groups, the BLOCKs it is launched with):
     # C / groups * H * W is a multiple of no block, H * W is odd in two cases; the fp16 case has a mean of
     # about 100, so that float16 sums overflow (its sum of squares passes 65,504 after a few elements)
@@ -466,6 +469,7 @@ def grade_group_norm_silu(report: Report, group_norm_silu_kernel):
                    (3, 4, 1, 1, 4, "fp32", 2.0, (64,)), (2, 8, 16, 17, 2, "fp16", 100.0, (1024, 256))],
                   [(2, 320, 64, 64, 32, "fp16", 100.0, (1024, 4096)), (8, 1280, 16, 16, 32, "fp16", 4.0, (2048,))])
     rng = fresh_rng(report)  # values drawn fresh on every run
+    eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     for B, C, H, W, G, dtype, offset, blocks in cases:
         HW = H * W
         data = rand(rng, (B, C, HW)) + np.repeat(rng.uniform(-offset, offset, (B, G)), C // G, axis=1)[:, :, None]
@@ -501,6 +505,7 @@ def grade_group_norm_silu(report: Report, group_norm_silu_kernel):
                     ("the statistics count the padding past n: divide by n, and keep masked lanes out of the sums "
                      "(tl.where(mask, v, 0.0), or other=0.0 and no shift on padding)",
                      group_norm_silu64(xs, ws, bs, G, eps, denominator=lambda m: -(-m // block) * block).ravel()),
+                    (own_eps_hint(eps), group_norm_silu64(xs, ws, bs, G, USUAL_EPS).ravel()),
                     ("SiLU comes after the affine: silu(x_hat * w + b), not silu(x_hat) * w + b",
                      group_norm_silu64(xs, ws, bs, G, eps, silu_first=True).ravel()),
                     ("w and b are indexed by the channel within the group; the channel is "

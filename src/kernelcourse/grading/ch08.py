@@ -13,8 +13,9 @@ import numpy as np
 
 from ..world import low_precision_dtype, world
 from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, fresh_rng, number, speed_vs_peer
-from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, in_float32, launch, not_a_kernel,
-                   nothing_written, outside_writes, rand, rounding_floor, sizes, speed_vs_peers, tolerance)
+from .harness import (NAN, PAD, STUB, USUAL_EPS, data_mask, diagnose, draw_eps, exact, framed, host, in_float32,
+                      launch, not_a_kernel, nothing_written, outside_writes, own_eps_hint, rand, rounding_floor, sizes,
+                      speed_vs_peers, tolerance)
 
 EPS = 1e-5
 
@@ -31,7 +32,7 @@ def ln_dx64(x, w, dy, eps=EPS):
     return rstd * (g - xhat * (xhat * g).mean(-1, keepdims=True) - g.mean(-1, keepdims=True))
 
 
-def _torch_dx(x, w, dy):
+def _torch_dx(x, w, dy, eps=EPS):
     """PyTorch's dX at the kernel's precision, on this device: the tolerance's reference."""
     import torch
 
@@ -39,26 +40,27 @@ def _torch_dx(x, w, dy):
 
     dev = world().device
     t = lambda a: torch.from_numpy(a).to(dev, torch.float32)  # noqa: E731
-    return layer_norm_backward_ref(t(x), t(w), t(dy), EPS)[0].cpu().double().numpy()
+    return layer_norm_backward_ref(t(x), t(w), t(dy), eps)[0].cpu().double().numpy()
 
 
-def _dx_mistakes(x, w, dy, block):
-    xhat, rstd, g = ln_parts64(x, w, dy)
+def _dx_mistakes(x, w, dy, block, eps=EPS):
+    xhat, rstd, g = ln_parts64(x, w, dy, eps)
     c1, c2 = (xhat * g).mean(-1, keepdims=True), g.mean(-1, keepdims=True)
     n = x.shape[-1]
     mean = x.mean(-1, keepdims=True)
     # the variance taken over the whole block, padding (0 - mean) included
     var_pad = (((x - mean) ** 2).sum(-1, keepdims=True) + (block - n) * mean ** 2) / n
-    xhat_pad = (x - mean) / np.sqrt(var_pad + EPS)
+    xhat_pad = (x - mean) / np.sqrt(var_pad + eps)
     return [
-        ("the gradient reaching x̂ is g = dy * w: multiply dy by the weight first", ln_dx64(x, np.ones_like(w), dy)),
+        ("the gradient reaching x̂ is g = dy * w: multiply dy by the weight first", ln_dx64(x, np.ones_like(w), dy, eps)),
         ("dX = rstd * (g - x̂ * mean(x̂ * g) - mean(g)): the mean(g) term is missing", rstd * (g - xhat * c1)),
         ("dX = rstd * (g - x̂ * mean(x̂ * g) - mean(g)): the x̂ * mean(x̂ * g) term is missing", rstd * (g - c2)),
         ("dX = rstd * (g - ...): the factor rstd is missing", g - xhat * c1 - c2),
         ("the means divide by n_cols, not by BLOCK", rstd * (g - xhat * (xhat * g).sum(-1, keepdims=True) / block
                                                           - g.sum(-1, keepdims=True) / block)),
         ("x - mean is not 0 in the padding: zero it with tl.where(mask, x - mean, 0.0) before the variance",
-         (1.0 / np.sqrt(var_pad + EPS)) * (g - xhat_pad * (xhat_pad * g).mean(-1, keepdims=True) - c2)),
+         (1.0 / np.sqrt(var_pad + eps)) * (g - xhat_pad * (xhat_pad * g).mean(-1, keepdims=True) - c2)),
+        *([(own_eps_hint(eps), ln_dx64(x, w, dy, USUAL_EPS))] if eps != USUAL_EPS else []),
     ]
 
 
@@ -71,6 +73,7 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
     if (msg := not_a_kernel(layer_norm_dx_kernel, "layer_norm_dx_kernel")):
         return report.fail(msg)
     rng = fresh_rng(report)
+    eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # float16 rows share a large offset: their sum in float16 loses the digits that x - mean keeps, so a
     # kernel that computes the statistics in 16 bits is visibly wrong; BLOCK is sometimes wider than needed
     for rows, cols, dtype, wide in sizes([(5, 37, "fp32", False), (3, 128, "fp32", True), (4, 200, "fp32", False),
@@ -82,6 +85,7 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
                 x64 = rand(rng, (rows, cols), (1.0,)) + rng.uniform(250, 350) * rng.choice([-1, 1])
             else:
                 x64 = rand(rng, (rows, cols)) + rng.uniform(-2, 2, (rows, 1))  # rows with a mean far from 0
+                x64[0] *= 3e-3  # a row of small variance: there eps changes the result
             w64 = rng.uniform(0.5, 1.5, cols)
             dy64 = rand(rng, (rows, cols))
             x_full, x = framed(x64, dtype, PAD, pad_rows=1, pad_cols=3)
@@ -89,7 +93,7 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
             _, w = framed(w64, dtype, NAN)
             dx_full, dx = framed(np.full((rows, cols), POISON), dtype, POISON, pad_rows=1, pad_cols=3)
             what = f"{rows} x {cols} {dtype}" + (f" (BLOCK {block})" if wide else "") + f", seed {seed}"
-            if not launch(report, what, layer_norm_dx_kernel, (rows,), x, dy, w, dx, cols, x.stride(0), EPS, BLOCK=block):
+            if not launch(report, what, layer_norm_dx_kernel, (rows,), x, dy, w, dx, cols, x.stride(0), eps, BLOCK=block):
                 return
             if outside_writes(POISON, dx_full, data_mask(dx_full.shape, rows, cols)):
                 return report.fail(f"{what}: wrote outside dx's rows: mask the store with cols < n_cols "
@@ -98,13 +102,13 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
             if nothing_written(got):
                 return report.fail(f"{what}: {STUB}")
             xs, ws, dys = exact(x), exact(w), exact(dy)
-            truth = ln_dx64(xs, ws, dys)
-            ref = _torch_dx(xs, ws, dys)  # float32 math, then rounded to the output's dtype
+            truth = ln_dx64(xs, ws, dys, eps)
+            ref = _torch_dx(xs, ws, dys, eps)  # float32 math, then rounded to the output's dtype
             ref = ref.astype(got.dtype).astype(np.float64)
             floor = 8 * float(np.finfo(np.float32).eps) if dtype == "fp32" else rounding_floor(got.dtype)
             ok, line = compare(got, truth, ref, what=f"dX, {what}", rtol_floor=floor, dtype=got.dtype)
             if not ok and "never written" not in line:
-                hint = diagnose(got, _dx_mistakes(xs, ws, dys, block), tolerance(truth, ref, got.dtype))
+                hint = diagnose(got, _dx_mistakes(xs, ws, dys, block, eps), tolerance(truth, ref, got.dtype))
                 if hint is None and dtype == "fp16":
                     hint = ("these rows share a large offset, and in float16 their sum loses the digits x - mean "
                             "needs: convert what you load with .to(tl.float32) and compute the statistics in float32")
@@ -297,6 +301,7 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
         return report.fail(msg)
     dev = world().device
     rng = fresh_rng(report)
+    eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # float16 cases (the interpreter has no bfloat16) share a large offset: statistics summed in 16 bits lose
     # the digits that x - mean keeps; the number of programs, and so the rows each one takes, varies
     for rows, cols, programs, with_dres, dtype in sizes(
@@ -307,6 +312,8 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
         dt = torch.float16 if dtype == "fp16" else torch.float32
         h64 = rand(rng, (rows, cols), (1.0,)) + rng.uniform(250, 350) if dtype == "fp16" else \
             rand(rng, (rows, cols)) + rng.uniform(-1, 1, (rows, 1))
+        if dtype == "fp32":
+            h64[0] *= 3e-3  # a row of small variance: there eps changes the result
         h = torch.from_numpy(h64).to(dev, dt)
         w = torch.from_numpy(rng.uniform(0.5, 1.5, cols)).to(dev, torch.float32)
         dy = torch.from_numpy(rand(rng, (rows, cols))).to(dev, dt)
@@ -314,18 +321,18 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
         what = f"{rows} x {cols}" + (f", {programs} programs" if programs else "") + (", with dres" if with_dres else "")
         what += ", fp16 with a large common offset" if dtype == "fp16" else ""
         try:
-            dx, dw, db = T.layer_norm_backward(h, w, dy, EPS, dres=dres, programs=programs, kernel=layer_norm_backward_kernel)
+            dx, dw, db = T.layer_norm_backward(h, w, dy, eps, dres=dres, programs=programs, kernel=layer_norm_backward_kernel)
             if world().gpu:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
             return report.fail(f"{what}: {explain(exc)}")
         h64, w64, dy64 = exact(h), exact(w), exact(dy)
-        xhat, _, _ = ln_parts64(h64, w64, dy64)
-        truths = {"dx": ln_dx64(h64, w64, dy64) + (exact(dres) if with_dres else 0.0),
+        xhat, _, _ = ln_parts64(h64, w64, dy64, eps)
+        truths = {"dx": ln_dx64(h64, w64, dy64, eps) + (exact(dres) if with_dres else 0.0),
                   "dw": (dy64 * xhat).sum(0), "db": dy64.sum(0)}
         # PyTorch's backward in float32 math, dX rounded to the output's dtype
         refs = dict(zip(("dx", "dw", "db"), (t.cpu().double().numpy()
-                                              for t in T.layer_norm_backward_ref(h.float(), w, dy.float(), EPS))))
+                                              for t in T.layer_norm_backward_ref(h.float(), w, dy.float(), eps))))
         if with_dres:
             refs["dx"] = refs["dx"] + exact(dres)
         refs["dx"] = refs["dx"].astype(host(dx).dtype).astype(np.float64)
@@ -337,6 +344,10 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
             if not ok and dtype == "fp16" and "never written" not in line:
                 line += (": these rows share a large offset, and in float16 their sums lose the digits x - mean "
                          "needs: convert what you load with .to(tl.float32) and compute in float32")
+            if not ok and key == "dx":
+                usual = ln_dx64(h64, w64, dy64, USUAL_EPS) + (exact(dres) if with_dres else 0.0)
+                if np.abs(g - usual).max() < 0.1 * np.abs(g - truths[key]).max():
+                    line += f": {own_eps_hint(eps)}"
             if not ok and key == "dx" and with_dres and compare(g, truths[key] - exact(dres), refs[key] - exact(dres),
                                                                 what="", rtol_floor=1e-5)[0]:
                 line += ": add dres (the gradient flowing past the LayerNorm) to dX when HAS_DRES"
@@ -350,6 +361,8 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
                     line += ": each program must add up all of its rows (dw += ...), not keep the last one"
             if not report.expect(ok, line, line):
                 return
+    if not rows_apart_by_their_stride(report, layer_norm_backward_kernel, rng, eps):
+        return
     # traffic a correct kernel never makes, whatever the speed of the GPU: reading its partial sums back
     if not partial_sums_stay_in_registers(report, layer_norm_backward_kernel, rng):
         return
@@ -373,6 +386,43 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
                    lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, KEEP_IN_REGISTERS)
 
 
+def rows_apart_by_their_stride(report: Report, kernel, rng, eps: float) -> bool:
+    """08.5 on rows further apart than n_cols: h, dy, dres and dx are views into wider tensors with one row stride
+    (the launcher above makes its inputs contiguous, so there the stride is always n_cols). Launched here directly."""
+    import torch
+    import triton
+
+    rows, cols, programs, pad = int(rng.integers(9, 20)), int(rng.integers(40, 90)), 3, int(rng.integers(3, 9))
+    h64 = rand(rng, (rows, cols)) + rng.uniform(-1, 1, (rows, 1))
+    dy64, dres64, w64 = rand(rng, (rows, cols)), rand(rng, (rows, cols)), rng.uniform(0.5, 1.5, cols)
+    _, h = framed(h64, "fp32", PAD, pad_cols=pad)
+    _, dy = framed(dy64, "fp32", PAD, pad_cols=pad)
+    _, dres = framed(dres64, "fp32", PAD, pad_cols=pad)
+    dx_full, dx = framed(np.full((rows, cols), POISON), "fp32", POISON, pad_cols=pad)
+    w = torch.from_numpy(w64).to(world().device, torch.float32)
+    rpp = -(-rows // programs)
+    programs = -(-rows // rpp)
+    part = torch.full((programs, 2 * cols), float("nan"), device=world().device, dtype=torch.float32)
+    what = f"{rows} x {cols}, rows {h.stride(0)} elements apart, {programs} programs, with dres"
+    if not launch(report, what, kernel, (programs,), h, dy, dres, w, dx, part, rows, cols, h.stride(0), eps,
+                  ROWS_PER_PROGRAM=rpp, BLOCK=triton.next_power_of_2(cols), HAS_DRES=True):
+        return False
+    h64, dy64, dres64, w64 = exact(h), exact(dy), exact(dres), exact(w)
+    xhat, _, _ = ln_parts64(h64, w64, dy64, eps)
+    got = {"dx": host(dx), "dw": host(part[:, :cols]).sum(0), "db": host(part[:, cols:]).sum(0)}
+    truths = {"dx": ln_dx64(h64, w64, dy64, eps) + dres64, "dw": (dy64 * xhat).sum(0), "db": dy64.sum(0)}
+    written_outside = outside_writes(POISON, dx_full, data_mask(dx_full.shape, rows, cols))
+    for key in ("dx", "dw", "db"):
+        ok, line = compare(got[key], truths[key], truths[key], what=f"{key}, {what}",
+                           rtol_floor=64 * float(np.finfo(np.float32).eps) * (1 if key == "dx" else rows))
+        if not ok or (key == "dx" and written_outside):
+            line = (f"{key}, {what}: wrong, where the rows of h, dy, dres and dx are views into wider tensors: "
+                    "address row r at ptr + r * stride (the stride argument), not r * n_cols")
+            return report.expect(False, "", line)
+    return report.expect(True, f"rows {h.stride(0)} elements apart (views into wider tensors): dx, dw and db match",
+                         "")
+
+
 KEEP_IN_REGISTERS = ("keep each program's partial dW and dB in registers across its rows (dw += dy * xhat) and "
                      "store them once at the end: a load and a store of the partial sums for every row costs "
                      "memory traffic and makes each row wait for the last")
@@ -384,10 +434,9 @@ def partial_sums_stay_in_registers(report: Report, kernel, rng) -> bool:
     import torch
 
     from .. import transformer as T
-    from ..targets import _jit_function
-    from .addresses import loads_in_compiled, traffic
+    from .addresses import compiled_function, loads_in_compiled, traffic
 
-    fn = _jit_function(getattr(kernel, "kernel", kernel))
+    fn = compiled_function(kernel)
     names = list(getattr(fn, "arg_names", []))
     part = names[5] if len(names) > 5 else "part_ptr"  # the sixth argument, as the statement orders them
     if world().gpu:
@@ -443,11 +492,12 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
     dev = world().device
     # (rows, vocabulary, dtype, ignore_index, the BLOCKs it is called with): no vocabulary is a multiple of a
     # block; every third row has logits near 1000 (exp overflows unless the max is subtracted)
-    cases = sizes([(6, 1000, "fp32", -100, (256, 1024)), (5, 257, "fp32", 3, (64,)), (7, 130, "fp16", -100, (64, 128))],
+    rng = fresh_rng(report)  # values, and the second case's ignore_index (a class id), drawn fresh on every run
+    cases = sizes([(6, 1000, "fp32", -100, (256, 1024)), (5, 257, "fp32", int(rng.integers(1, 257)), (64,)),
+                   (7, 130, "fp16", -100, (64, 128))],
                   [(512, 50257, "fp32", -100, (4096,)), (300, 32003, "fp16", -100, (2048,))])
     counted = False
     for rows, V, dtype, ignore_index, blocks in cases:
-        rng = np.random.default_rng(rows * 100003 + V)
         data = rand(rng, (rows, V), scales=(1.0, 3.0))
         data[1::3] += 1000.0
         target = rng.integers(0, V, rows)
@@ -487,6 +537,10 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             if not hasattr(grad, "shape") or tuple(grad.shape) != (rows, V):
                 return report.fail(f"{what}: the gradient has shape {tuple(getattr(grad, 'shape', ()))}, "
                                    f"expected ({rows}, {V}), one value per logit")
+            if getattr(grad, "dtype", logits.dtype) != logits.dtype:
+                return report.fail(f"{what}: the gradient is {grad.dtype}, the logits {logits.dtype}: allocate it in the "
+                                   "logits' dtype (torch.empty_like(logits)), as F.cross_entropy's is; the kernel "
+                                   "computes in float32 and converts when it stores")
             n_valid, count_all = int(valid.sum()), rows
             # float32 rounds a row's loss at the scale of its log-sum-exp (logits near 1000: a kernel that forms
             # m + log(s) before subtracting the target's logit is right and rounds at 1000), not of the loss

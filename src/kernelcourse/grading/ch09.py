@@ -335,7 +335,7 @@ def grade_adapter(report: Report, my_attention):
 
 # ---- 09.4 a fast training step ----------------------------------------------------------------------
 
-WIDTH, DEPTH, BATCH, LR = 256, 12, 64, 1e-3
+WIDTH, DEPTH, BATCH = 256, 12, 64
 
 
 def launch_bound_mlp(seed: int = 0, device=None):
@@ -373,13 +373,14 @@ def grade_train_step(report: Report, make_train_step):
     dev = world().device
     rng = fresh_rng(report)
     seed = int(rng.integers(0, 2**31))
+    lr = float(rng.choice([2e-4, 2e-3, 5e-3]) * rng.uniform(1.0, 2.0))  # drawn: never the 1e-3 the model shows
     ref_model, model = launch_bound_mlp(seed, dev), launch_bound_mlp(seed, dev)
     steps = 4
     gen = torch.Generator().manual_seed(seed)
     data = [(torch.randn(BATCH, WIDTH, generator=gen).to(dev), torch.randn(BATCH, WIDTH, generator=gen).to(dev))
             for _ in range(steps)]
-    ref_step = eager_train_step(ref_model, LR)
-    step = call(report, "make_train_step(model, lr)", make_train_step, model, LR)
+    ref_step = eager_train_step(ref_model, lr)
+    step = call(report, f"make_train_step(model, lr={lr:.3g})", make_train_step, model, lr)
     if not callable(step):
         return report.fail(f"make_train_step returned {type(step).__name__}: return a function step(x, y)")
     before = [p.detach().clone() for p in model.parameters()]
@@ -401,7 +402,8 @@ def grade_train_step(report: Report, make_train_step):
             hint = ("the parameters did not change: call the optimizer's step() after backward()" if unchanged else
                     "the gradients add up from step to step: zero them after each optimizer step"
                     if i > 0 else
-                    f"the update differs from AdamW(lr={LR}) with PyTorch's defaults on F.mse_loss(model(x), y)")
+                    f"the update differs from AdamW(lr={lr:.3g}) with PyTorch's defaults on F.mse_loss(model(x), y): "
+                    "use the lr argument (the grader draws it)")
             return report.fail(f"after step {i + 1}, parameter {name} differs from an eager step by {worst:.1e} "
                                f"(relative): {hint}")
     report.ok(f"{steps} steps update every parameter as an eager AdamW step does")

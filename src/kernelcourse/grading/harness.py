@@ -46,6 +46,21 @@ def fresh_rng(report: Report) -> np.random.Generator:
     return np.random.default_rng(report.seed)
 
 
+USUAL_EPS = 1e-5  # the eps that statements, PyTorch and most code show
+
+
+def draw_eps(rng) -> float:
+    """An eps for a normalisation's grader, drawn on each run and never near ``USUAL_EPS``: a kernel that
+    writes 1e-5 of its own instead of using its eps argument then computes something else, which the cases'
+    rows of small variance show."""
+    return float(rng.choice([1e-6, 3e-5, 1e-4]) * rng.uniform(1.0, 2.0))
+
+
+def own_eps_hint(eps: float) -> str:
+    return (f"this matches eps = {USUAL_EPS:g} where the launch passed eps = {eps:.3g}: use the eps argument, "
+            "not a number of your own (the grader draws it on every run)")
+
+
 def separating(rng, draw, values, close, tries: int = 1000):
     """A case from ``draw(rng)`` on which ``values(case)``, the answer and then each known mistake's, are
     pairwise apart (none ``close`` to another), so that the hint of a first failing case names the right
