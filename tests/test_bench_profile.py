@@ -25,6 +25,14 @@ def test_trace_stats_counts_every_launch_api_and_merges_overlaps():
     assert s["steps"] == 2 and s["step_ms"] == pytest.approx(0.045)
 
 
+def test_the_span_ends_at_the_latest_end_not_at_the_last_start():
+    """A copy on another stream that starts last but ends inside a longer kernel: the span runs to the kernel's end."""
+    ev = [{"cat": "kernel", "name": "gemm", "ts": 0.0, "dur": 100.0},
+          {"cat": "gpu_memcpy", "name": "copy", "ts": 40.0, "dur": 10.0}]
+    s = bench.trace_stats(ev)
+    assert s["span_us"] == 100 and s["busy_us"] == 100 and s["idle_us"] == 0
+
+
 def test_compact_trace_keeps_driver_calls(tmp_path):
     trace = {"traceEvents": [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 100, "dur": 2},
                              {"ph": "X", "cat": "kernel", "name": "k", "ts": 103.5, "dur": 4},

@@ -326,3 +326,33 @@ def matrix_add_block_16x8(a, b, c):  # the example's (16, 8) block written in
 def test_01_4_rejects_a_block_shape_of_its_own():
     passed, text = grade("01.4", matrix_add_kernel=matrix_add_block_16x8)
     assert not passed and "not the (16, 8) of the example" in text, text
+
+
+# ---- 01.3: the block size and a that the launch passes ------------------------------------------------
+
+
+@cuda.jit
+def axpy_block_32(a, x, y):  # the 32 threads a block of the grader's first launches written in
+    i = cuda.blockIdx.x * 32 + cuda.threadIdx.x
+    while i < y.size:
+        y[i] += a * x[i]
+        i += 32 * cuda.gridDim.x
+
+
+@cuda.jit
+def axpy_own_a(a, x, y):  # an a of its own (the 2.0 it was tried with), the argument ignored
+    for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        y[i] += 2.0 * x[i]
+
+
+def test_01_3_rejects_a_block_size_of_its_own():
+    """Right on the launches of 32 threads a block; on the grader's 64 its threads overlap. It was rejected as
+    'updated twice', which did not say why."""
+    passed, text = grade("01.3", axpy_kernel=axpy_block_32)
+    assert not passed and "takes blocks to be 32 threads" in text and "use cuda.blockDim.x" in text, text
+
+
+def test_01_3_rejects_an_a_of_its_own():
+    """a is drawn on every run (between 0.5 and 2, never exactly 2.0): a kernel that writes its own a fails."""
+    passed, text = grade("01.3", axpy_kernel=axpy_own_a)
+    assert not passed and "grew by 2 * x[i]" in text and "use the argument a" in text, text

@@ -263,6 +263,62 @@ def test_04_2_rejects_wrong(kernel, hint):
     assert not passed
     assert hint in text, text
 
+
+@triton.jit
+def bias_tile_16(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # the 16 x 16 tile it was tried with, whatever the launch passes
+    rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+    cols = tl.program_id(1) * 16 + tl.arange(0, 16)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols, mask=cols < n_cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@triton.jit
+def bias_tile_32x64(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):  # a tile as large as the blocks of the cases it saw pass: 32 x 64
+    rows = tl.program_id(0) * 32 + tl.arange(0, 32)
+    cols = tl.program_id(1) * 64 + tl.arange(0, 64)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask)
+    b = tl.load(b_ptr + cols, mask=cols < n_cols)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x + b[None, :], mask=mask)
+
+
+@pytest.mark.parametrize("seed", [None, "7", "8"])
+@pytest.mark.parametrize("kernel", [bias_tile_16, bias_tile_32x64])
+def test_04_2_rejects_a_tile_of_its_own(kernel, seed, monkeypatch):
+    # the 32 x 64 tile covered every case but a drawn one with BLOCK_M=64 or BLOCK_N=128, and passed most runs;
+    # the grader now launches once with the largest blocks it draws, so it fails on every run
+    if seed is None:
+        monkeypatch.delenv("KC_GRADE_SEED", raising=False)  # a fresh draw, as a learner's run gets
+    else:
+        monkeypatch.setenv("KC_GRADE_SEED", seed)
+    passed, text = grade("04.2", add_bias_kernel=kernel)
+    assert not passed
+    assert "never written" in text and "use the BLOCK_M and BLOCK_N the launch passes" in text, text
+
+
+@triton.jit
+def bias_one_stride(x_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):  # x's offsets reused for y: stride_y ignored, as if it were stride_x
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offs = rows[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask)
+    b = tl.load(b_ptr + cols, mask=cols < n_cols)
+    tl.store(y_ptr + offs, x + b[None, :], mask=mask)
+
+
+def test_04_2_rejects_a_kernel_that_ignores_stride_y():
+    # the grader's stride_y always differs from stride_x: a kernel that uses one for both is named, on a GPU as on
+    # the CPU (y's stride is the wider, so the stores land inside y's rows, not past its end)
+    passed, text = grade("04.2", add_bias_kernel=bias_one_stride)
+    assert not passed
+    assert "y was stored with x's row stride" in text and "each tensor with its own stride" in text, text
+
 # ---- 04.3 row log-softmax ----------------------------------------------------------------------
 
 
@@ -469,6 +525,17 @@ def rms_own_eps(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.
     tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
 
 
+@triton.jit
+def rms_ncols_stride(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)  # rows taken as packed
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
+
+
 @pytest.mark.parametrize("kernel", [rms_ok, rms_ok_rsqrt])
 def test_04_4_accepts_correct(kernel):
     passed, text = grade("04.4", rms_norm_kernel=kernel)
@@ -479,6 +546,7 @@ def test_04_4_accepts_correct(kernel):
     (rms_block_mean, "not BLOCK"),
     (rms_no_eps, "add eps inside the square root"),
     (rms_own_eps, "use the eps argument"),
+    (rms_ncols_stride, "rows of x are stride_x elements apart, not n_cols"),
     (rms_no_weight, "multiply by the weight"),
     dtype_case(rms_fp16_stats, "(`ms = tl.sum(x * x, axis=0) / n_cols`) computes in fp16: do the math in float32"),
     address_case(rms_no_load_mask, "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
@@ -569,6 +637,8 @@ def gn_kernel(x_ptr, w_ptr, b_ptr, y_ptr, C, HW, n_groups, eps, BLOCK: tl.conste
     # sum and sum of squares in one sweep (no shift), a second sweep to store: a correct alternative to
     # the package's kernel, and, with MISTAKE set, the typical wrong versions
     pid = tl.program_id(0).to(tl.int64)
+    if MISTAKE == "groups32":  # Stable Diffusion's 32 groups, written in
+        n_groups = 32
     per = C // n_groups
     n = per * HW
     start_el = pid * n
@@ -645,6 +715,7 @@ def test_04_6_accepts_correct(kernel):
     address_case("unmasked", "past the end of `x_ptr`, outside every tensor the kernel was given (it has no mask)"),
     ("hardcoded", "wrong with BLOCK=64: use the BLOCK argument everywhere"),
     ("own_eps", "use the eps argument"),
+    ("groups32", "with the C, HW and n_groups the launch passes (here 6, 35 and 3: the grader varies them)"),
 ])
 def test_04_6_rejects_wrong(mistake, hint):
     passed, text = grade("04.6", group_norm_silu_kernel=GroupNormWith(mistake))
@@ -688,6 +759,22 @@ def test_04_3_rejects_a_block_of_its_own():
 
 
 @triton.jit
+def rms_norm_fixed_block(x_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, 1024)  # enough for every row the statement shows, not for every row
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
+
+
+def test_04_4_rejects_a_block_of_its_own():
+    passed, text = grade("04.4", rms_norm_kernel=rms_norm_fixed_block)
+    assert not passed and "never written" in text and "use the BLOCK the launch passes" in text, text
+
+
+@triton.jit
 def _rows_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -713,11 +800,11 @@ def _rows_kernel_fp16(x_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, e
              mask=mask)
 
 
-def rows_launcher(packed=False, out_dtype=None, kernel=None):
+def rows_launcher(packed=False, out_dtype=None, kernel=None, block=None):
     def rms_norm_rows(x, w, eps):
         n_rows, n_cols = x.shape
         y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)  # contiguous, whatever x is
-        BLOCK = triton.next_power_of_2(n_cols)
+        BLOCK = block or triton.next_power_of_2(n_cols)
         ROWS = max(1, 2048 // BLOCK)
         (kernel or _rows_kernel)[(triton.cdiv(n_rows, ROWS),)](x, w, y, n_rows, n_cols, n_cols if packed else x.stride(0),
                                                                y.stride(0), eps, BLOCK=BLOCK, ROWS=ROWS)
@@ -729,6 +816,16 @@ def test_04_5_rejects_an_eps_of_its_own():
     launcher = rows_launcher()
     passed, text = grade("04.5", rms_norm_rows=lambda x, w, eps: launcher(x, w, 1e-5))
     assert not passed and "use the eps argument" in text, text
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_04_5_rejects_a_block_fixed_for_the_heads_it_was_written_for(block):
+    # rows of 64 or 128 values, as the statement's QK-norm heads: BLOCK written in, not taken from n_cols. The
+    # columns past it keep whatever torch.empty left there (NaN at times): the hint must not be float16's overflow
+    passed, text = grade("04.5", rms_norm_rows=rows_launcher(block=block))
+    assert not passed
+    assert f"only the first {block} values of each row were normalised" in text, text
+    assert "choose BLOCK from n_cols, triton.next_power_of_2(n_cols)" in text and "overflows" not in text, text
 
 
 def test_04_5_accepts_a_strided_x():

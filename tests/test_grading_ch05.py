@@ -328,6 +328,113 @@ def test_05_2_rejects_wrong(kernel, hint):
     assert not passed
     assert hint in text, text
 
+@triton.jit
+def mm_mistakes(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MISTAKE: tl.constexpr):
+    """mm_ok with one typical mistake, picked by MISTAKE."""
+    if MISTAKE == "tiles_of_32":  # an example's tile size written in: the launch's BLOCK_M/N/K never used
+        offs_m = tl.program_id(0) * 32 + tl.arange(0, 32)
+        offs_n = tl.program_id(1) * 32 + tl.arange(0, 32)
+        offs_k = tl.arange(0, 32)
+        acc = tl.zeros((32, 32), dtype=tl.float32)
+        step: tl.constexpr = 32
+    else:
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        step: tl.constexpr = BLOCK_K
+        if MISTAKE == "acc_in_c_dtype":  # float16 whenever C is: the sum is rounded to float16 at every step
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+        elif MISTAKE == "acc_in_a_dtype":  # float16 whenever A is, tl.dot told to sum in it too
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=a_ptr.dtype.element_ty)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    for k in range(0, tl.cdiv(K, step)):
+        k_left = K - k * step
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if MISTAKE == "acc_in_c_dtype":
+            acc += tl.dot(a, b).to(c_ptr.dtype.element_ty)
+        elif MISTAKE == "acc_in_a_dtype":
+            acc = tl.dot(a, b, acc, out_dtype=a_ptr.dtype.element_ty)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += step * stride_ak
+        b_ptrs += step * stride_bk
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+class WithMistake:
+    """A kernel with a MISTAKE constexpr, launched as the exercise's kernel is: kernel[grid](...)."""
+
+    def __init__(self, kernel, mistake):
+        self.kernel, self.mistake, self.fn = kernel, mistake, kernel.fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.kernel[grid](*args, MISTAKE=self.mistake, **meta)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("launch it as kernel[grid](...)")
+
+
+def test_05_2_accepts_the_mistake_kernel_without_a_mistake():
+    passed, text = grade("05.2", matmul_kernel=WithMistake(mm_mistakes, "none"))
+    assert passed, text
+
+
+def test_05_2_rejects_tiles_of_its_own():
+    """A kernel that writes in 32 x 32 tiles passed whenever the tiles drawn were 16 or 32 (4 runs in 9): a
+    fixed case has 64 x 64 tiles, and the hint says which rows and columns were written."""
+    passed, text = grade("05.2", matmul_kernel=WithMistake(mm_mistakes, "tiles_of_32"))
+    assert not passed
+    assert "BLOCK_M/N/K = 64/64/16" in text and "only the rows below 64 and the columns below 64" in text, text
+    assert "build offs_m, offs_n and the accumulator from BLOCK_M and BLOCK_N" in text, text
+
+
+@pytest.mark.parametrize("mistake, case", [
+    # float16 where C is: float32 cases pass, and fp16 ones round away digits no fp16 output shows, except in
+    # the case whose later K steps each add less than half a float16 step to the sum
+    ("acc_in_c_dtype", "a large product, then small ones"),
+    # float16 where A is: shows where C is float32
+    ("acc_in_a_dtype", "fp16 A and B, fp32 C"),
+])
+def test_05_2_rejects_a_float16_accumulator(mistake, case):
+    """The statement asks for a float32 accumulator; a float16 one passed every case before."""
+    passed, text = grade("05.2", matmul_kernel=WithMistake(mm_mistakes, mistake))
+    assert not passed
+    failing = next(line for line in text.splitlines() if line.startswith("✘"))
+    assert case in failing and "this is what a float16 accumulator gives: accumulate in float32" in failing, text
+
+
+class Copied:
+    """A "kernel" that answers from a book kept in a file (the grader runs it in a child process): ``record``
+    launches ``kernel`` and writes down the output (argument ``out``) it made for each launch's sizes, strides
+    and tiles; otherwise it copies the output written down for the same launch, if any."""
+
+    def __init__(self, kernel, book, out, record):
+        self.kernel, self.book, self.out, self.record, self.fn = kernel, book, out, record, kernel.fn
+
+    def __getitem__(self, grid):
+        import pickle
+
+        def launch(*args, **meta):
+            key = (grid, tuple(a for a in args if isinstance(a, int)), tuple(sorted(meta.items())))
+            seen = pickle.loads(self.book.read_bytes()) if self.book.exists() else {}
+            if self.record:
+                self.kernel[grid](*args, **meta)
+                seen[key] = args[self.out].cpu().numpy()
+                self.book.write_bytes(pickle.dumps(seen))
+            elif key in seen:
+                args[self.out].copy_(torch.from_numpy(seen[key]))
+        return launch
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("launch it as kernel[grid](...)")
+
+
 # ---- 05.3 fused epilogue: bias + leaky ReLU ----------------------------------------------------
 
 
@@ -336,20 +443,28 @@ def linear_epilogues(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_a
                      stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EPILOGUE: tl.constexpr):
     """The exercise's kernel, with its epilogue picked by EPILOGUE (right ones and typical wrong ones)."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPILOGUE == "tiles_of_32":  # the right epilogue, in tiles of an example's size: BLOCK_M and BLOCK_N unused
+        offs_m = tl.program_id(0) * 32 + tl.arange(0, 32)
+        offs_n = tl.program_id(1) * 32 + tl.arange(0, 32)
+        acc = tl.zeros((32, 32), dtype=tl.float32)
+    else:
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + (offs_n % N)[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
         w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    if EPILOGUE == "ok":
+    if EPILOGUE == "ok" or EPILOGUE == "tiles_of_32":
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        acc = tl.where(acc >= 0, acc, 0.01 * acc)
+    elif EPILOGUE == "bias_unmasked":  # the bias read at every column of the tile, past N too
+        acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
         acc = tl.where(acc >= 0, acc, 0.01 * acc)
     elif EPILOGUE == "ok_max":  # leaky ReLU as max(x, 0.01 x), the bias loaded without other=
         x = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N)[None, :]
@@ -401,3 +516,37 @@ def test_05_3_rejects_wrong(epilogue, hint):
     passed, text = grade("05.3", linear_leaky_relu_kernel=WithEpilogue(epilogue))
     assert not passed
     assert hint in text, text
+
+
+def test_05_3_rejects_tiles_of_its_own():
+    """Tiles of 32 passed whenever the tiles drawn were 16 or 32: a fixed case has 64 x 64 tiles."""
+    passed, text = grade("05.3", linear_leaky_relu_kernel=WithEpilogue("tiles_of_32"))
+    assert not passed
+    assert "BLOCK_M/N/K = 64/64/16" in text and "only the rows below 64 and the columns below 64" in text, text
+    assert "from BLOCK_M and BLOCK_N, never from a tile size of your own" in text, text
+
+
+@pytest.mark.skipif(kc.world().gpu, reason="the address check runs in Triton's interpreter; on a GPU the lanes past N "
+                                           "read the bias's frame and are never stored, so nothing shows")
+def test_05_3_rejects_an_unmasked_bias_load():
+    """The bias has N values; a tile's columns run past N at the right edge, and so does an unmasked load."""
+    passed, text = grade("05.3", linear_leaky_relu_kernel=WithEpilogue("bias_unmasked"))
+    assert not passed
+    assert "past the end of `bias_ptr`" in text and "(it has no mask)" in text, text
+
+
+@pytest.mark.parametrize("exercise, name, kernel, out", [
+    ("05.2", "matmul_kernel", mm_ok, 2),
+    ("05.3", "linear_leaky_relu_kernel", WithEpilogue("ok"), 3),
+])
+def test_05_2_and_05_3_draw_their_values_on_every_run(exercise, name, kernel, out, monkeypatch, tmp_path):
+    """Outputs copied from one run (keyed by the launch's sizes, strides and tiles) answer nothing on the next:
+    every case's values are drawn fresh."""
+    book = tmp_path / "answers.pkl"
+    monkeypatch.setenv("KC_GRADE_SEED", "21")
+    assert grade(exercise, **{name: Copied(kernel, book, out, record=True)})[0]
+    same = grade(exercise, **{name: Copied(kernel, book, out, record=False)})
+    assert same[0], same[1]  # the same run's cases: the copy answers them
+    monkeypatch.setenv("KC_GRADE_SEED", "22")
+    passed, text = grade(exercise, **{name: Copied(kernel, book, out, record=False)})
+    assert not passed and "max error" in text and "KC_GRADE_SEED=22" in text, text

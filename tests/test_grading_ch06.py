@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 import kernelcourse as kc
-from tests.helpers import grade
+from tests.helpers import grade, memorised
 
 
 def address_case(kernel, hint):
@@ -18,6 +18,31 @@ def address_case(kernel, hint):
     return pytest.param(kernel, hint, marks=pytest.mark.skipif(
         kc.world().gpu, reason="the address check runs in Triton's interpreter; on a GPU this kernel touches memory "
                                "outside its tensors (compute-sanitizer names it) and may take the process down"))
+
+
+def copied_run(monkeypatch, exercise, name, correct, key, others=None, walk=lambda *args: args):
+    """Grade a correct function that records its answers (keyed by ``key`` of its arguments) on one run, then
+    a table of them, answering every question it has not seen with one of its answers, on the same run's
+    cases (it passes) and on another run's (it must fail): what a learner who copied a run's output submits.
+    ``walk`` turns the arguments into what ``key`` and ``correct`` take (a stream that can be read once)."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    others, table = others or {}, {}
+
+    def recording(*args):
+        args = walk(*args)
+        table[key(*args)] = correct(*args)
+        return table[key(*args)]
+
+    def copied(*args):
+        return table.get(key(*walk(*args)), next(iter(table.values())))
+
+    monkeypatch.setenv("KC_GRADE_SEED", "21")
+    assert grade(exercise, **{name: recording}, **others)[0]
+    same = grade(exercise, **{name: copied}, **others)
+    assert same[0], same[1]  # the same run's cases: the copy answers them
+    monkeypatch.setenv("KC_GRADE_SEED", "22")
+    return grade(exercise, **{name: copied}, **others)
+
 
 # ---- 06.1 combine split-KV partial results -------------------------------------------------------
 
@@ -61,7 +86,22 @@ def combine_forgot_max(outs, lses):
     return (w[..., None] * outs).sum(dim=0) / w.sum(dim=0)[:, None], torch.log(w.sum(dim=0))
 
 
-@pytest.mark.parametrize("fn", [combine_ok, combine_ok_pairwise])
+def combine_running(outs, lses, guard=False):
+    """The splits folded in one at a time, as a kernel folds its tiles: a running max, sum and output."""
+    m, l = torch.full(lses.shape[1:], float("-inf")), torch.zeros(lses.shape[1:])
+    acc = torch.zeros(outs.shape[1:])
+    for o_s, lse_s in zip(outs, lses):
+        m_new = torch.maximum(m, lse_s)
+        if guard:  # while every split so far is empty, the max is -inf: subtract 0 instead
+            m_new = torch.where(torch.isinf(m_new), 0.0, m_new)
+        alpha, w = torch.exp(m - m_new), torch.exp(lse_s - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        l = l * alpha + w
+        m = torch.maximum(m, lse_s)
+    return acc / l[:, None], m + torch.log(l)
+
+
+@pytest.mark.parametrize("fn", [combine_ok, combine_ok_pairwise, lambda outs, lses: combine_running(outs, lses, True)])
 def test_06_1_accepts_correct(fn):
     passed, text = grade("06.1", combine_splits=fn)
     assert passed, text
@@ -74,11 +114,19 @@ def test_06_1_accepts_correct(fn):
     (combine_max_lse, "not the largest lse"),
     (combine_forgot_max, "the max goes back in"),
     (lambda outs, lses: None, "forget `return`"),
+    # exp(-inf - (-inf)) when the first split is empty: NaN in that row
+    (combine_running, "the first split is empty (lse = -inf): a running max started at -inf is still -inf there"),
 ])
 def test_06_1_rejects_wrong(fn, hint):
     passed, text = grade("06.1", combine_splits=fn)
     assert not passed
     assert hint in text, text
+
+
+def test_06_1_draws_its_values_on_every_run(monkeypatch):
+    passed, text = copied_run(monkeypatch, "06.1", "combine_splits", combine_ok,
+                              lambda outs, lses: lses.numpy().tobytes())
+    assert not passed and "KC_GRADE_SEED=22" in text, text
 
 
 # ---- 06.2 one-pass softmax statistics -------------------------------------------------------------
@@ -175,6 +223,14 @@ def test_06_2_rejects_wrong(fn, hint):
     passed, text = grade("06.2", online_softmax_stats=fn)
     assert not passed
     assert hint in text, text
+
+
+def test_06_2_draws_its_values_on_every_run(monkeypatch):
+    """The rows' values are drawn on every run: (m, l) copied from one run answer nothing on the next."""
+    passed, text = copied_run(monkeypatch, "06.2", "online_softmax_stats", stats_ok,
+                              lambda blocks: b"".join(x.numpy().tobytes() for x in blocks),
+                              walk=lambda stream: (list(stream),))
+    assert not passed and "KC_GRADE_SEED=22" in text, text
 
 
 # ---- 06.3 tiled attention in PyTorch ---------------------------------------------------------------
@@ -288,12 +344,22 @@ def test_06_3_rejects_wrong(fn, hint):
 def _inner(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, stride_vh, stride_oh, N_Q, N_K,
            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_SCORES: tl.constexpr,
            MASK_LOADS: tl.constexpr, RESCALE_ACC: tl.constexpr, EXP2: tl.constexpr, SUB_MAX: tl.constexpr,
-           MAX_FROM_ZERO: tl.constexpr):
+           MAX_FROM_ZERO: tl.constexpr, FIXED_BM: tl.constexpr, PACKED_HEADS: tl.constexpr, OWN_SCALE: tl.constexpr):
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if FIXED_BM:  # the lesson's 16 query rows a program written in for the program's first row
+        offs_m = start_m * 16 + tl.arange(0, BLOCK_M)
+    else:
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    if PACKED_HEADS:  # heads taken as packed back to back, N rows of HEAD_DIM each, instead of the strides
+        stride_qh = N_Q * HEAD_DIM
+        stride_kh = N_K * HEAD_DIM
+        stride_vh = N_K * HEAD_DIM
+        stride_oh = N_Q * HEAD_DIM
+    if OWN_SCALE:  # log2(e) / sqrt(d) computed here instead of the qk_scale passed in
+        qk_scale = 1.4426950408889634 / tl.sqrt(tl.full([], HEAD_DIM, tl.float32))
     q = tl.load(q_ptr + off_h * stride_qh + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=offs_m[:, None] < N_Q, other=0.0)
     k_head = k_ptr + off_h * stride_kh
@@ -344,7 +410,7 @@ class Variant:
 
     def __init__(self, **switches):
         self.switches = dict(MASK_SCORES=True, MASK_LOADS=True, RESCALE_ACC=True, EXP2=True, SUB_MAX=True,
-                             MAX_FROM_ZERO=False)
+                             MAX_FROM_ZERO=False, FIXED_BM=False, PACKED_HEADS=False, OWN_SCALE=False)
         self.switches.update(switches)
         self.fn = _inner.fn
 
@@ -414,6 +480,26 @@ def test_06_4_rejects_wrong(kernel, hint):
     assert hint in text, text
 
 
+def test_06_4_rejects_a_block_m_of_its_own():
+    # program start_m starts at query start_m * 16, the lesson's tile: with BLOCK_M = 32, rows go missing
+    passed, text = grade("06.4", attention_fwd_kernel=Variant(FIXED_BM=True))
+    assert not passed and "use the BLOCK_M the launch passes (here 32: the grader varies it)" in text, text
+
+
+def test_06_4_rejects_heads_taken_as_packed():
+    # head h at h * N_Q * HEAD_DIM (h * N_K * HEAD_DIM for k and v) instead of h * stride_qh...: the grader's
+    # heads are further apart
+    passed, text = grade("06.4", attention_fwd_kernel=Variant(PACKED_HEADS=True))
+    assert not passed and "head 0 is right and head 1 is not" in text and "k_ptr + h * stride_kh" in text, text
+
+
+def test_06_4_rejects_a_scale_of_its_own():
+    # qk_scale computed as log2(e) / sqrt(HEAD_DIM) in the kernel, whatever the launch passes
+    passed, text = grade("06.4", attention_fwd_kernel=Variant(OWN_SCALE=True))
+    assert not passed and "this matches qk_scale = log2(e)/sqrt(HEAD_DIM)" in text
+    assert "use the qk_scale argument" in text, text
+
+
 # ---- 06.5 the causal mask, tile by tile --------------------------------------------------------------
 
 
@@ -466,6 +552,22 @@ def test_06_5_rejects_wrong(tile, rng_fn, hint):
     assert hint in text, text
 
 
+@pytest.mark.parametrize("tile, rng_fn, default", [
+    ("record", range_ok, "masked"),          # a table of causal_tile's answers
+    (tile_ok, "record", (0, 0)),             # a table of key_range's answers
+])
+def test_06_5_draws_its_cases_on_every_run(tile, rng_fn, default, monkeypatch):
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    recording, table = memorised(tile_ok if tile == "record" else range_ok, default=default)
+    pick = lambda fn: fn if fn != "record" else None  # noqa: E731
+    monkeypatch.setenv("KC_GRADE_SEED", "21")
+    assert grade("06.5", causal_tile=pick(tile) or recording, key_range=pick(rng_fn) or recording)[0]
+    assert grade("06.5", causal_tile=pick(tile) or table, key_range=pick(rng_fn) or table)[0]  # the same run
+    monkeypatch.setenv("KC_GRADE_SEED", "22")
+    passed, text = grade("06.5", causal_tile=pick(tile) or table, key_range=pick(rng_fn) or table)
+    assert not passed and "KC_GRADE_SEED=22" in text, text
+
+
 # ---- 06.6 the log-sum-exp ------------------------------------------------------------------------------
 
 
@@ -510,6 +612,24 @@ def test_06_6_rejects_wrong(lse_fn, probs_fn, hint):
     assert hint in text, text
 
 
+def test_06_6_rejects_a_scale_of_its_own():
+    # 1/sqrt(d) from q's shape instead of the sm_scale passed in
+    passed, text = grade("06.6", lse_from_state=lse_ok,
+                         probs_from_lse=lambda q, k, lse, sc: torch.exp(q @ k.T / math.sqrt(q.shape[-1]) - lse[:, None]))
+    assert not passed and "this matches sm_scale = 1/sqrt(d)" in text and "use the sm_scale argument" in text, text
+
+
+@pytest.mark.parametrize("which", ["lse_from_state", "probs_from_lse"])
+def test_06_6_draws_its_values_on_every_run(which, monkeypatch):
+    if which == "lse_from_state":
+        passed, text = copied_run(monkeypatch, "06.6", which, lse_ok, lambda m2, l2: m2.numpy().tobytes(),
+                                  others=dict(probs_from_lse=probs_ok))
+    else:
+        passed, text = copied_run(monkeypatch, "06.6", which, probs_ok, lambda q, k, lse, sc: q.numpy().tobytes(),
+                                  others=dict(lse_from_state=lse_ok))
+    assert not passed and "KC_GRADE_SEED=22" in text and which in text, text
+
+
 # ---- 06.7 / 06.8 the causal part of the kernel, and its speed ---------------------------------------
 # One kernel with switches for the typical mistakes. NAIVE is the slow but correct version that 06.8's
 # speed check is set against: every key tile computed and masked, as the chapter's version 1 does.
@@ -528,10 +648,19 @@ def _fold(acc, l_i, m_i, s, v):
 @triton.jit
 def _causal(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, N_Q, N_K,
             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NAIVE: tl.constexpr,
-            CAUSAL_MASK: tl.constexpr, STRICT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, MASKED_LOOP: tl.constexpr):
+            CAUSAL_MASK: tl.constexpr, STRICT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, MASKED_LOOP: tl.constexpr,
+            INSIDE: tl.constexpr, FIXED_BM: tl.constexpr, PACKED_HEADS: tl.constexpr, OWN_SCALE: tl.constexpr):
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
-    q0 = start_m * BLOCK_M
+    if FIXED_BM:  # the lesson's 16 query rows a program written in for the program's first query
+        q0 = start_m * 16
+    else:
+        q0 = start_m * BLOCK_M
+    if PACKED_HEADS:  # heads taken as packed back to back, N rows of HEAD_DIM each, instead of the strides
+        stride_qh = N_Q * HEAD_DIM
+        stride_kh = N_K * HEAD_DIM
+    if OWN_SCALE:  # log2(e) / sqrt(d) computed here instead of the qk_scale passed in
+        qk_scale = 1.4426950408889634 / tl.sqrt(tl.full([], HEAD_DIM, tl.float32))
     offs_m = q0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -557,7 +686,10 @@ def _causal(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, N_Q, N_K
             inside = keys < N_K
             k = tl.load(k_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)
             v = tl.load(v_head + keys[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)
-            keep = inside[None, :] & (offs_m[:, None] >= 0)
+            if INSIDE:
+                keep = inside[None, :] & (offs_m[:, None] >= 0)
+            else:  # loads masked (keys past N_K read as 0), but their scores left in the softmax
+                keep = offs_m[:, None] >= 0
             if CAUSAL_MASK:
                 if STRICT:
                     keep = keep & (keys[None, :] < offs_m[:, None])
@@ -573,7 +705,8 @@ def _causal(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, stride_qh, stride_kh, N_Q, N_K
 
 class CausalVariant(Variant):
     def __init__(self, **switches):
-        self.switches = dict(NAIVE=False, CAUSAL_MASK=True, STRICT=False, BOTTOM_RIGHT=False, MASKED_LOOP=True)
+        self.switches = dict(NAIVE=False, CAUSAL_MASK=True, STRICT=False, BOTTOM_RIGHT=False, MASKED_LOOP=True,
+                             INSIDE=True, FIXED_BM=False, PACKED_HEADS=False, OWN_SCALE=False)
         self.switches.update(switches)
         self.fn = _causal.fn
 
@@ -592,12 +725,31 @@ def test_06_7_accepts_correct(kernel):
     (CausalVariant(STRICT=True), "not j < i"),
     (CausalVariant(BOTTOM_RIGHT=True), "bottom-right"),
     (CausalVariant(MASKED_LOOP=False), "the tiles that cross the diagonal were not computed"),
+    # keys past N_K loaded as 0 but left in the softmax: rows past N_K see them (N_Q > N_K)
+    (CausalVariant(INSIDE=False), "keys past N_K were loaded as 0 and scored 0"),
     (inner_plain_python, "@triton.jit"),
 ])
 def test_06_7_rejects_wrong(kernel, hint):
     passed, text = grade("06.7", causal_attention_kernel=kernel)
     assert not passed
     assert hint in text, text
+
+
+def test_06_7_rejects_a_block_m_of_its_own():
+    # q0 = start_m * 16, the lesson's tile: with BLOCK_M = 32, query tiles past the first rows are never computed
+    passed, text = grade("06.7", causal_attention_kernel=CausalVariant(FIXED_BM=True))
+    assert not passed and "use the BLOCK_M the launch passes (here 32: the grader varies it)" in text, text
+
+
+def test_06_7_rejects_heads_taken_as_packed():
+    passed, text = grade("06.7", causal_attention_kernel=CausalVariant(PACKED_HEADS=True))
+    assert not passed and "head 0 is right and head 1 is not" in text and "k_ptr + h * stride_kh" in text, text
+
+
+def test_06_7_rejects_a_scale_of_its_own():
+    passed, text = grade("06.7", causal_attention_kernel=CausalVariant(OWN_SCALE=True))
+    assert not passed and "this matches qk_scale = log2(e)/sqrt(HEAD_DIM)" in text
+    assert "use the qk_scale argument" in text, text
 
 
 def test_06_8_speed_is_graded_only_on_a_gpu():

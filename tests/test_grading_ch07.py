@@ -12,7 +12,40 @@ import triton
 import triton.language as tl
 
 import kernelcourse as kc
-from tests.helpers import grade
+from tests.helpers import grade, memorised
+
+
+def copied_answers(correct):
+    """A correct function that records its answers, keyed by the bytes of its tensor arguments, and a copy
+    that answers from that record only (a question it has not seen gets the first answer recorded): what a
+    learner who pasted one run's outputs submits. The tests that use it grade in this process
+    (KC_GRADE_IN_PROCESS=1), so the record is shared."""
+    book = {}
+
+    def key(args):
+        return tuple(a.detach().cpu().numpy().tobytes() if isinstance(a, torch.Tensor) else a for a in args)
+
+    def recording(*args):
+        book[key(args)] = correct(*args)
+        return book[key(args)]
+
+    def copied(*args):
+        return book.get(key(args), next(iter(book.values())))
+
+    return recording, copied
+
+
+def draws_fresh_values(monkeypatch, exercise, name, recording, copied):
+    """``copied`` answers the run ``recording`` saw, and fails the next one: the grader draws its values."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    monkeypatch.setenv("KC_GRADE_SEED", "21")
+    assert grade(exercise, **{name: recording})[0]
+    same = grade(exercise, **{name: copied})
+    assert same[0], same[1]  # the same run's cases: the copy answers them
+    monkeypatch.setenv("KC_GRADE_SEED", "22")
+    passed, text = grade(exercise, **{name: copied})
+    assert not passed, text
+    assert "KC_GRADE_SEED=22 draws these cases again" in text, text
 
 # ---- 07.1 dS from P and dP -------------------------------------------------------------------------
 
@@ -46,6 +79,10 @@ def test_07_1_rejects_wrong(fn, hint):
     assert hint in text, text
 
 
+def test_07_1_draws_its_values_on_every_run(monkeypatch):
+    draws_fresh_values(monkeypatch, "07.1", "softmax_backward", *copied_answers(sb_ok))
+
+
 # ---- 07.2 D -----------------------------------------------------------------------------------------
 
 
@@ -77,6 +114,20 @@ def test_07_2_rejects_wrong(probs, fn, hint):
     passed, text = grade("07.2", delta_from_probs=probs, delta=fn)
     assert not passed
     assert hint in text, text
+
+
+def test_07_2_draws_its_values_on_every_run(monkeypatch):
+    """Both functions' answers copied from one run answer nothing on the next (N_Q of the last case is drawn too)."""
+    (rec_p, copy_p), (rec_d, copy_d) = copied_answers(d_probs_ok), copied_answers(d_ok)
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    monkeypatch.setenv("KC_GRADE_SEED", "21")
+    assert grade("07.2", delta_from_probs=rec_p, delta=rec_d)[0]
+    same = grade("07.2", delta_from_probs=copy_p, delta=copy_d)
+    assert same[0], same[1]
+    monkeypatch.setenv("KC_GRADE_SEED", "22")
+    for probs, fn in ((copy_p, d_ok), (d_probs_ok, copy_d)):
+        passed, text = grade("07.2", delta_from_probs=probs, delta=fn)
+        assert not passed and "KC_GRADE_SEED=22 draws these cases again" in text, text
 
 
 # ---- 07.3 the backward of one head ----------------------------------------------------------------
@@ -122,6 +173,49 @@ def test_07_3_rejects_wrong(bug, hint):
     passed, text = grade("07.3", attention_backward=lambda q, k, v, do, causal=False: backward_ok(q, k, v, do, causal, bug))
     assert not passed
     assert hint in text, text
+
+
+def backward_strict(q, k, v, do, causal=False):
+    """The causal mask one off: triu(diagonal=0) masks the diagonal too, so query i sees only keys j < i (and
+    query 0 sees none)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = q @ k.T * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(diagonal=0), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    dp = do @ v.T
+    ds = p * (dp - (do * (p @ v)).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.T @ q * scale, p.T @ do
+
+
+def backward_bottom_right(q, k, v, do, causal=False):
+    """The causal mask aligned to the bottom-right corner (key j seen by query i when j <= i + N_K - N_Q): the
+    same as the course's when N_Q = N_K, not otherwise."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = q @ k.T * scale
+    if causal:
+        later = torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + (n_k - n_q)
+        s = s.masked_fill(later, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    dp = do @ v.T
+    ds = p * (dp - (do * (p @ v)).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.T @ q * scale, p.T @ do
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (backward_strict, "each query sees its own key"),
+    (backward_bottom_right, "from the top-left corner"),
+])
+def test_07_3_rejects_a_misplaced_diagonal(fn, hint):
+    passed, text = grade("07.3", attention_backward=fn)
+    assert not passed
+    assert hint in text, text
+
+
+def test_07_3_draws_its_values_on_every_run(monkeypatch):
+    recording, copied = copied_answers(backward_ok)
+    draws_fresh_values(monkeypatch, "07.3", "attention_backward", recording, copied)
 
 
 # ---- 07.4 the tiled backward ----------------------------------------------------------------------
@@ -185,6 +279,50 @@ def test_07_4_rejects_a_tile_lse():
     assert "a tile's own max or sum is not the row's" in text, text
 
 
+def tiled_mistake(q, k, v, o, lse, do, block_m, block_n, causal=False, mistake=None):
+    """tiled_ok, key tiles outside, with one typical slip: "drop_key_tail" (range(0, N_K - block_n + 1, block_n):
+    the last, shorter key tile never runs), "drop_query_tail" (the same for the queries), "strict" (the causal
+    mask also hides the diagonal, key j == query i)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    n_q, n_k = q.shape[0], k.shape[0]
+    d = (do * o).sum(-1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for n0 in range(0, n_k - block_n + 1 if mistake == "drop_key_tail" else n_k, block_n):
+        cols = torch.arange(n0, min(n0 + block_n, n_k))
+        for m0 in range(0, n_q - block_m + 1 if mistake == "drop_query_tail" else n_q, block_m):
+            rows = torch.arange(m0, min(m0 + block_m, n_q))
+            p = torch.exp(q[rows] @ k[cols].T * scale - lse[rows, None])
+            if causal:
+                hidden = cols[None, :] >= rows[:, None] if mistake == "strict" else cols[None, :] > rows[:, None]
+                p = p.masked_fill(hidden, 0.0)
+            dv[cols] += p.T @ do[rows]
+            ds = p * (do[rows] @ v[cols].T - d[rows, None])
+            dq[rows] += ds @ k[cols] * scale
+            dk[cols] += ds.T @ q[rows] * scale
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("drop_key_tail", "the last key tile is shorter"),
+    ("drop_query_tail", "the last query tile is shorter"),
+    ("strict", "each query sees its own key"),
+])
+def test_07_4_rejects_a_boundary_slip(mistake, hint):
+    passed, text = grade("07.4", tiled_attention_backward=lambda q, k, v, o, lse, do, bm, bn, causal=False:
+                         tiled_mistake(q, k, v, o, lse, do, bm, bn, causal, mistake))
+    assert not passed
+    assert hint in text, text
+
+
+def test_07_4_accepts_key_tiles_outside():
+    passed, text = grade("07.4", tiled_attention_backward=tiled_mistake)
+    assert passed, text
+
+
+def test_07_4_draws_its_values_on_every_run(monkeypatch):
+    draws_fresh_values(monkeypatch, "07.4", "tiled_attention_backward", *copied_answers(tiled_ok))
+
+
 # ---- 07.5 the dK/dV kernel --------------------------------------------------------------------------
 
 
@@ -207,14 +345,14 @@ def kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sm_s
     qk_scale = sm_scale * 1.4426950408889634
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for start_m in range(0, N_Q, BLOCK_M):
+    for start_m in range(0, N_Q, STEP):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = offs_m < N_Q
-        qd = off_h * stride_qh + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        qd = HEAD_Q + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
         q = tl.load(q_ptr + qd, MASK_ROWS)
         do = tl.load(do_ptr + qd, MASK_ROWS)
-        lse = tl.load(lse_ptr + off_h * stride_lh + offs_m, mask=rows, other=0.0)
-        delta = tl.load(delta_ptr + off_h * stride_lh + offs_m, mask=rows, other=0.0)
+        lse = tl.load(lse_ptr + HEAD_L + offs_m, mask=rows, other=0.0)
+        delta = tl.load(delta_ptr + HEAD_L + offs_m, mask=rows, other=0.0)
 BODY
     tl.store(dk_ptr + kv, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=offs_n[:, None] < N_K)
     tl.store(dv_ptr + kv, dv.to(dv_ptr.dtype.element_ty), mask=offs_n[:, None] < N_K)
@@ -239,6 +377,15 @@ BODIES = {
     "lse_base_e": TRANSPOSED.replace("LSE_FACTOR", "1.0").replace("DELTA", "- delta[None, :]"),
     "no_delta": TRANSPOSED.replace("LSE_FACTOR", "1.4426950408889634").replace("DELTA", ""),
     "no_mask": TRANSPOSED.replace("LSE_FACTOR", "1.4426950408889634").replace("DELTA", "- delta[None, :]"),
+    # sm_scale written in, as 1/sqrt(HEAD_DIM), instead of the argument's qk_scale
+    "own_scale": TRANSPOSED.replace("LSE_FACTOR", "1.4426950408889634").replace("DELTA", "- delta[None, :]")
+                           .replace("* qk_scale", "* (1.4426950408889634 / HEAD_DIM ** 0.5)"),
+}
+# the kernel's slips outside the loop body's arithmetic: (placeholder, what the correct kernel has there, the slip)
+SLIPS = {
+    "step_16": ("STEP", "BLOCK_M", "16"),                           # the loop written for 16-row query tiles
+    "heads_packed": ("HEAD_Q", "off_h * stride_qh", "off_h * N_Q * HEAD_DIM"),  # heads taken as N_Q rows apart
+    "lse_packed": ("HEAD_L", "off_h * stride_lh", "off_h * N_Q"),  # lse and delta rows taken as N_Q apart
 }
 
 
@@ -247,7 +394,9 @@ def dkdv_kernel(variant, tmp_path):
     (Triton reads a kernel's source)."""
     import importlib.util
 
-    src = DKDV_TEMPLATE.replace("BODY", BODIES[variant].strip("\n"))
+    src = DKDV_TEMPLATE.replace("BODY", BODIES.get(variant, BODIES["ok"]).strip("\n"))
+    for name, (placeholder, right, slip) in SLIPS.items():
+        src = src.replace(placeholder, slip if variant == name else right)
     src = src.replace("MASK_ROWS", "" if variant == "no_mask" else "mask=rows[:, None], other=0.0")
     path = tmp_path / f"dkdv_{variant}.py"
     path.write_text(src)
@@ -270,6 +419,20 @@ def test_07_5_accepts_correct(variant, tmp_path):
     ("no_delta", "subtract D"),
 ])
 def test_07_5_rejects_wrong(variant, hint, tmp_path):
+    passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel(variant, tmp_path))
+    assert not passed
+    assert hint in text, text
+
+
+@pytest.mark.parametrize("variant, hint", [
+    ("own_scale", "drawn on every run), not by 1/√HEAD_DIM"),        # class 4: sm_scale never varied before
+    ("step_16", "the query tiles are BLOCK_M rows each (here BLOCK_M=32)"),  # class 1: a tile size written in
+    ("heads_packed", "head h of q and do starts at h * stride_qh"),     # class 2: heads taken as N_Q rows apart
+    ("lse_packed", "of lse and delta at h * stride_lh"),                # class 2: lse rows taken as N_Q long
+])
+def test_07_5_rejects_what_a_single_launch_hides(variant, hint, tmp_path):
+    """Slips that one launch shape cannot show: the grader draws sm_scale, launches BLOCK_M = 16 and 32, and pads
+    the heads of q, do, lse and delta (their strides are larger than N_Q rows)."""
     passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel(variant, tmp_path))
     assert not passed
     assert hint in text, text
@@ -332,6 +495,12 @@ def test_07_6_rejects_wrong(fn, hint):
     passed, text = grade("07.6", query_range=fn)
     assert not passed
     assert hint in text, text
+
+
+def test_07_6_draws_its_tile_sizes_on_every_run(monkeypatch):
+    """A table of one run's answers misses the tile sizes the next run draws."""
+    recording, table = memorised(qr_ok, default=(0, 0))
+    draws_fresh_values(monkeypatch, "07.6", "query_range", recording, table)
 
 
 # ---- 07.7 the autograd Function -----------------------------------------------------------------------
@@ -455,3 +624,31 @@ def test_07_7_rejects_wrong(fn, hint):
     passed, text = grade("07.7", FlashAttentionFn=fn)
     assert not passed
     assert hint in text, text
+
+
+class FnCopied(torch.autograd.Function):
+    """o and the gradients pasted from a recorded run, keyed by q's bytes (see copied_answers)."""
+    book = {}
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        ctx.key = (q.detach().cpu().numpy().tobytes(), causal)
+        return FnCopied.book.get(ctx.key, next(iter(FnCopied.book.values())))[0].clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        return (*FnCopied.book.get(ctx.key, next(iter(FnCopied.book.values())))[1:], None)
+
+
+class FnRecording(FnOk):
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        grads = FnOk.backward(ctx, do)[:3]
+        FnCopied.book[(q.detach().cpu().numpy().tobytes(), ctx.causal)] = (o.detach().clone(), *grads)
+        return (*grads, None)
+
+
+def test_07_7_draws_its_values_on_every_run(monkeypatch):
+    FnCopied.book.clear()
+    draws_fresh_values(monkeypatch, "07.7", "FlashAttentionFn", FnRecording, FnCopied)

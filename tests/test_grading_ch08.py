@@ -34,8 +34,11 @@ def make_dx_kernel(mistake=""):
     @triton.jit
     def layer_norm_dx_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, n_cols, stride, eps, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+        # "block_64", "block_256": the BLOCK of one of the grader's launches written in, the argument ignored
+        cols = tl.arange(0, 64 if MISTAKE == "block_64" else 256 if MISTAKE == "block_256" else BLOCK)
         mask = cols < n_cols
+        if MISTAKE == "packed":  # rows taken to be n_cols apart, the stride argument ignored
+            stride = n_cols
         x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0)
         if MISTAKE == "half_sum":  # the row sum in the input's 16 bits, the rest in float32
             mean = tl.sum(x, axis=0).to(tl.float32) / n_cols
@@ -106,6 +109,20 @@ def test_08_1_rejects_mistakes(mistake, hint):
     assert not passed and hint in text, text
 
 
+@pytest.mark.parametrize("mistake", ["block_64", "block_256"])
+def test_08_1_rejects_a_block_of_its_own(mistake):
+    """A kernel that covers the columns of one of the grader's launches (64 or 256 written in, BLOCK ignored): right
+    on rows that fit, and rows longer than 1,024 (BLOCK 2048) show it on the CPU too."""
+    passed, text = grade("08.1", layer_norm_dx_kernel=make_dx_kernel(mistake))
+    assert not passed and "were never written: a program covers the BLOCK columns the launch passes" in text, text
+
+
+def test_08_1_rejects_rows_taken_n_cols_apart():
+    """x, dy and dx are views into wider tensors: a kernel that addresses row r at r * n_cols, not r * stride."""
+    passed, text = grade("08.1", layer_norm_dx_kernel=make_dx_kernel("packed"))
+    assert not passed and "use the row stride" in text, text
+
+
 def test_08_1_rejects_a_plain_function():
     passed, text = grade("08.1", layer_norm_dx_kernel=lambda *a: None)
     assert not passed and "@triton.jit" in text, text
@@ -119,6 +136,8 @@ def make_column_sum(mistake=""):
     def column_sum_kernel(part_ptr, out_ptr, n_parts, n_cols, stride, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                           MISTAKE: tl.constexpr):
         pid = tl.program_id(0)
+        if MISTAKE == "packed":  # rows taken to be n_cols apart, the stride argument ignored
+            stride = n_cols
         if MISTAKE == "fixed_block":  # 32 columns a program, whatever BLOCK_N the launch passes
             cols = pid * 32 + tl.arange(0, 32)
             cmask = cols < n_cols
@@ -173,6 +192,13 @@ def test_08_2_accepts_correct():
 def test_08_2_rejects_mistakes(mistake, hint):
     passed, text = grade("08.2", column_sum_kernel=make_column_sum(mistake))
     assert not passed and hint in text, text
+
+
+def test_08_2_rejects_rows_taken_n_cols_apart():
+    """part is a view into a wider tensor: a kernel that addresses row r at r * n_cols, not r * stride, adds up the
+    wrong elements (the ends of the rows, finite here, among them); it was told NaN came from rows past n_parts."""
+    passed, text = grade("08.2", column_sum_kernel=make_column_sum("packed"))
+    assert not passed and "address row r at part_ptr + r * stride" in text and "rows past n_parts" not in text, text
 
 
 # ---- 08.3 FLOPs and bytes ----------------------------------------------------------------------------
@@ -285,11 +311,61 @@ def test_08_4_rejects_mistakes(dominant, idle, hint):
     assert not passed and hint in text, text
 
 
+def idle_from_zero(events):
+    # right busy time (intervals merged), but the span measured from time 0, not from the first kernel's start
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, covered_to = 0.0, iv[0][0]
+    for s, t in iv:
+        busy += max(0.0, t - max(s, covered_to))
+        covered_to = max(covered_to, t)
+    return 1 - busy / covered_to
+
+
+def test_08_4_rejects_a_span_measured_from_0():
+    passed, text = grade("08.4", dominant_kernel=dominant_ok, idle_share=idle_from_zero)
+    assert not passed and "the span runs from the first kernel's start, not from 0" in text, text
+
+
+def test_08_4_draws_its_synthetic_trace_on_every_run(monkeypatch):
+    """Answers copied from one run (a table keyed by the trace, what a learner who pasted the grader's
+    numbers submits) fail the next: the synthetic trace is drawn afresh. It was fixed, and a three-entry table
+    passed."""
+    import json
+
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    monkeypatch.delenv("KC_GRADE_SEED", raising=False)
+    dominant, dominant_table = memorised(lambda key: dominant_ok(json.loads(key)), default=("small_add_kernel", 0.5))
+    idle, idle_table = memorised(lambda key: idle_ok(json.loads(key)), default=0.5)
+    key = lambda events: json.dumps(events, sort_keys=True)  # noqa: E731
+    assert grade("08.4", dominant_kernel=lambda ev: dominant(key(ev)), idle_share=lambda ev: idle(key(ev)))[0]
+    passed, text = grade("08.4", dominant_kernel=lambda ev: dominant_table(key(ev)),
+                         idle_share=lambda ev: idle_table(key(ev)))
+    assert not passed and "the synthetic trace" in text and "KC_GRADE_SEED=" in text, text
+
+
 def test_synthetic_trace_answers():
     ev = ch08.synthetic_trace()
     assert T.by_kernel(ev)[0]["kernel"] == "small_add_kernel"
     g = T.gpu_idle(ev)
     assert g["busy_us"] == 6 * 20 + 130 and g["span_us"] == 420 - 100
+
+
+def test_drawn_synthetic_traces_keep_what_they_teach():
+    """Whatever the draw: many short calls beat the longest single call, the copy overlaps the gemm's end, the first
+    kernel starts after 0, and counted with the CPU's events a name that is no kernel would win."""
+    import numpy as np
+
+    for seed in range(200):
+        ev = ch08.synthetic_trace(np.random.default_rng(seed))
+        kernels = {e["name"]: e for e in ev if e["cat"] == "kernel"}
+        assert T.by_kernel(ev)[0]["kernel"] == "small_add_kernel" == dominant_ok(ev)[0]
+        assert longest_call(ev)[0] == "big_gemm_kernel"
+        gemm, copy = kernels["big_gemm_kernel"], kernels["side_stream_copy"]
+        assert gemm["ts"] < copy["ts"] < gemm["ts"] + gemm["dur"] < copy["ts"] + copy["dur"]
+        assert min(e["ts"] for e in ev if e["cat"] == "kernel") > 0
+        assert all_events(ev)[0] in ("forward", "cudaLaunchKernel")
+        assert abs(idle_ok(ev) - T.gpu_idle(ev)["idle_share"]) < 1e-9
+        assert abs(idle_naive(ev) - idle_ok(ev)) > 1e-2 and abs(idle_from_zero(ev) - idle_ok(ev)) > 1e-2
 
 
 # ---- 08.5 fused backward ---------------------------------------------------------------------------------
@@ -301,16 +377,17 @@ def make_fused(mistake=""):
                                    ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, HAS_DRES: tl.constexpr,
                                    MISTAKE: tl.constexpr):
         pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
+        cols = tl.arange(0, 256 if MISTAKE == "block_256" else BLOCK)  # "block_256": a BLOCK of its own
         mask = cols < n_cols
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        db = tl.zeros((BLOCK,), dtype=tl.float32)
+        dw = tl.zeros_like(w)
+        db = tl.zeros_like(w)
         part = part_ptr + pid * 2 * n_cols + cols  # this program's partial dW, then its partial dB
         rs = n_cols if MISTAKE == "packed" else stride  # "packed": rows taken to be n_cols apart
-        for i in range(ROWS_PER_PROGRAM):
-            row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
-            m = mask & (row < n_rows)
+        # "rows_3": the ROWS_PER_PROGRAM of the grader's first launch (7 rows on 3 programs) written in
+        for i in range(3 if MISTAKE == "rows_3" else ROWS_PER_PROGRAM):
+            row = (pid * (3 if MISTAKE == "rows_3" else ROWS_PER_PROGRAM) + i).to(tl.int64)
+            m = mask if MISTAKE == "no_row_mask" else mask & (row < n_rows)  # "no_row_mask": the last rows run past
             h = tl.load(h_ptr + row * rs + cols, mask=m, other=0.0)
             if MISTAKE == "half_sum":  # the row sum in the input's 16 bits, the rest in float32
                 mean = tl.sum(h, axis=0).to(tl.float32) / n_cols
@@ -364,6 +441,25 @@ def test_08_5_accepts_correct():
 def test_08_5_rejects_mistakes(mistake, hint):
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
     assert not passed and hint in text, text
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("rows_3", "the number the launch passes"),  # 3 rows a program, the grader's first launch's: rows are skipped
+    ("block_256", "a program covers the BLOCK columns the launch passes"),  # right on rows of up to 256
+])
+def test_08_5_rejects_launch_parameters_of_its_own(mistake, hint):
+    """On the CPU no case had more than 256 columns, so block_256 passed, and only the drawn ones could have more than
+    3 rows a program, so rows_3 passed on some runs and failed on others with the stride check's hint. A case of 10
+    to 16 rows a program and more than 1,024 columns now shows both, each with its hint."""
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
+    assert not passed and hint in text, text
+
+
+@pytest.mark.skipif(kc.world().gpu, reason="the address check runs in Triton's interpreter")
+def test_08_5_rejects_rows_past_n_rows_unmasked():
+    """The last program's rows run past n_rows: a kernel that masks columns only reads and writes past h and dx."""
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused("no_row_mask"))
+    assert not passed and "past the end of `h_ptr`" in text and "its mask must be False" in text, text
 
 
 def test_08_5_rejects_partial_sums_kept_in_memory_on_every_machine():
@@ -494,14 +590,14 @@ def ce_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, n_cols, stride_x, stri
     if MISTAKE == "no_max":
         m = 0.0
     else:
-        for start in range(0, n_cols, BLOCK):
+        for start in range(0, n_cols, 1024 if MISTAKE == "step_1024" else BLOCK):
             if MISTAKE == "unmasked":
                 x = tl.load(x_row + start + cols).to(tl.float32)
             else:
                 x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=-float("inf")).to(tl.float32)
             m = tl.maximum(m, tl.max(x, axis=0))
     d = 0.0
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, n_cols, 1024 if MISTAKE == "step_1024" else BLOCK):
         if MISTAKE == "unmasked":
             x = tl.load(x_row + start + cols).to(tl.float32)
         else:
@@ -515,7 +611,7 @@ def ce_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, n_cols, stride_x, stri
     scale = tl.where(valid, 1.0 / n_valid, 0.0)
     if MISTAKE == "grad_not_divided":
         scale = tl.where(valid, 1.0, 0.0)
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, n_cols, 1024 if MISTAKE == "step_1024" else BLOCK):
         mask = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp(x - m) / d
@@ -531,7 +627,8 @@ def ce_launcher(mistake=""):
         n_valid = n_rows if mistake == "count_all_rows" else int((target != ignore_index).sum())
         grad = torch.empty_like(logits)
         loss = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
-        ce_kernel[(n_rows,)](logits, grad, target, loss, n_cols, logits.stride(0), grad.stride(0), ignore_index,
+        stride_x = n_cols if mistake == "packed" else logits.stride(0)  # "packed": rows taken to be n_cols apart
+        ce_kernel[(n_rows,)](logits, grad, target, loss, n_cols, stride_x, grad.stride(0), ignore_index,
                              n_valid, BLOCK=BLOCK, MISTAKE=mistake)
         return loss.sum() / n_valid, grad
     return cross_entropy_fwd_bwd
@@ -561,6 +658,19 @@ def test_08_6_rejects_wrong(mistake, hint):
     passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher(mistake))
     assert not passed
     assert hint in text, text
+
+
+def test_08_6_rejects_a_step_of_its_own():
+    """A kernel that loads the BLOCK columns the launch passes but steps over the row by 1024, the launcher's default:
+    right at BLOCK=1024, columns skipped at the grader's 256."""
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher("step_1024"))
+    assert not passed and "step over the row by the BLOCK the launch passes" in text, text
+
+
+def test_08_6_rejects_rows_taken_n_cols_apart():
+    """The logits are a view into a wider tensor: a launcher that passes n_cols for their row stride."""
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher("packed"))
+    assert not passed and "pass logits.stride(0) and address row r at r * stride" in text, text
 
 
 def test_08_6_stub_and_kernel_instead_of_launcher_fail():

@@ -17,7 +17,7 @@ import triton.language as tl
 import kernelcourse as kc
 from kernelcourse import grading
 from kernelcourse.grading import ch09
-from tests.helpers import grade
+from tests.helpers import grade, memorised
 
 
 
@@ -33,18 +33,20 @@ def softplus_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_softplus(x, block=1024):
+def launch_softplus(x, block=1024, grid="cdiv"):
     x = x.contiguous()
     y = torch.empty_like(x)
-    softplus_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
+    # grid="floor": n // BLOCK programs, the last partial block never launched
+    programs = x.numel() // block if grid == "floor" else triton.cdiv(x.numel(), block)
+    softplus_kernel[(programs,)](x, y, x.numel(), BLOCK=block)
     return y
 
 
-def make_op(name, fake="empty_like", backward="sigmoid", save="input", block=1024):
+def make_op(name, fake="empty_like", backward="sigmoid", save="input", block=1024, grid="cdiv"):
     """A softplus operator registered under test09::<name>, with one piece changed."""
     @torch.library.custom_op(f"test09::{name}", mutates_args=())
     def softplus(x: torch.Tensor) -> torch.Tensor:
-        return launch_softplus(x, block)
+        return launch_softplus(x, block, grid)
 
     fakes = {"empty_like": lambda x: torch.empty_like(x), "new_empty": lambda x: x.new_empty(x.shape),
              "float32": lambda x: torch.empty(x.shape, dtype=torch.float32, device=x.device),
@@ -98,6 +100,43 @@ def test_09_1_typical_mistakes_are_named(kwargs, message):
     name = "wrong_" + "_".join(f"{k}_{v}" for k, v in kwargs.items())
     passed, text = grade("09.1", softplus=make_op(name, **kwargs))
     assert not passed and message in text, text
+
+
+def test_09_1_rejects_a_grid_of_n_floor_block():
+    """A launcher whose grid is n // BLOCK: right on whole blocks, the last partial one never launched."""
+    passed, text = grade("09.1", softplus=make_op("floor_grid", grid="floor"))
+    assert not passed and "the last, partial block was never launched" in text and "cdiv(n, BLOCK)" in text, text
+
+
+def test_09_1_draws_its_values_on_every_run(monkeypatch):
+    """An operator that answers from a table of one run's outputs (keyed by the input's values) passes that run and
+    fails the next: the inputs are drawn afresh."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    seen = {}
+
+    @torch.library.custom_op("test09::recording", mutates_args=())
+    def recording(x: torch.Tensor) -> torch.Tensor:
+        y = launch_softplus(x)
+        seen[x.detach().cpu().numpy().tobytes()] = y.detach().cpu().clone()
+        return y
+
+    @torch.library.custom_op("test09::copied", mutates_args=())
+    def copied(x: torch.Tensor) -> torch.Tensor:
+        y = seen.get(x.detach().cpu().numpy().tobytes())
+        return torch.zeros_like(x) if y is None else y.to(x.device, x.dtype).reshape(x.shape)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    for op in (recording, copied):
+        op.register_fake(lambda x: torch.empty_like(x))
+        op.register_autograd(lambda ctx, dy: dy * torch.sigmoid(ctx.saved_tensors[0]), setup_context=setup_context)
+    monkeypatch.setenv("KC_GRADE_SEED", "11")
+    assert grade("09.1", softplus=recording)[0]
+    assert grade("09.1", softplus=copied)[0]  # the same run's inputs: the table answers them
+    monkeypatch.setenv("KC_GRADE_SEED", "12")
+    passed, text = grade("09.1", softplus=copied)
+    assert not passed and "KC_GRADE_SEED=12" in text, text
 
 
 def test_09_1_a_plain_function_is_not_an_operator():
@@ -186,6 +225,20 @@ def test_09_2_measurement_without_warm_up_is_rejected():
 
     passed, text = grade("09.2", cpu_us_per_call=no_warm_up, step_time=step_time, gpu_idle_share=gpu_idle_share)
     assert not passed and "before you start the clock" in text, text
+
+
+def test_09_2_cases_are_fresh_every_run(monkeypatch):
+    """A table of one run's step times and idle shares (keyed by the calls' times) fails the next run: its three
+    steps of many calls are drawn afresh."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    monkeypatch.delenv("KC_GRADE_SEED", raising=False)
+    times, times_table = memorised(lambda c, g: step_time(list(c), list(g)))
+    idle, idle_table = memorised(lambda c, g: gpu_idle_share(list(c), list(g)), default=0.5)
+    assert grade("09.2", cpu_us_per_call=cpu_us_per_call, step_time=lambda c, g: times(tuple(c), tuple(g)),
+                 gpu_idle_share=lambda c, g: idle(tuple(c), tuple(g)))[0]
+    passed, text = grade("09.2", cpu_us_per_call=cpu_us_per_call, step_time=lambda c, g: times_table(tuple(c), tuple(g)),
+                         gpu_idle_share=lambda c, g: idle_table(tuple(c), tuple(g)))
+    assert not passed and "step_time(a mixed step of" in text and "KC_GRADE_SEED=" in text, text
 
 
 def test_09_2_seconds_are_not_microseconds():

@@ -225,6 +225,8 @@ def test_04_5_naive_fails_and_solution_passes_on_speed():
 
 # ---- 05.4 tiles for your GPU ----------------------------------------------------------------------------
 
+from tests.test_grading_ch05 import mm_floor_steps, mm_no_store_mask  # noqa: E402  (05.2's wrong kernels)
+
 GOOD = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
 NAIVE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
 
@@ -249,6 +251,21 @@ def test_05_4_rejects_wrong_configs(config, hint):
     passed, text = grade("05.4", matmul_kernel=mm_ok, matmul_config=config)
     assert not passed
     assert hint in text, text
+
+
+@pytest.mark.parametrize("kernel, hint", [
+    (mm_floor_steps, "the last, partial K step is missing"),
+    # on a GPU the tile's rows and columns past C land in its frame (inside the allocation): the frame check names them
+    (mm_no_store_mask, "wrote outside C" if GPU else "past the end of `c_ptr`"),
+])
+def test_05_4_checks_the_tails_before_speed(kernel, hint):
+    """05.2's kernel with a mistake at an edge (K past the last whole step, C past M and N) fails the shape of
+    (BLOCK_M + 3) x (BLOCK_N - 5) x (2 BLOCK_K + 7), whatever the tiles, before any timing."""
+    passed, text = grade("05.4", matmul_kernel=kernel, matmul_config=GOOD)
+    assert not passed
+    failing = next(line for line in text.splitlines() if line.startswith("✘"))
+    assert failing.startswith("✘ (131x71) @ (71x123) fp16") and hint in failing, text
+    assert "cuBLAS" not in text, text
 
 
 def test_05_4_needs_a_kernel():

@@ -270,7 +270,7 @@ def trace_stats(events: list[dict]) -> dict:
         if t > end:
             busy += t - max(s, end)
             end = t
-    span = iv[-1][1] - iv[0][0] if iv else 0.0
+    span = end - iv[0][0] if iv else 0.0  # to the latest end: the last event to start can end inside another
     by_api: dict[str, int] = {}
     for e in events:
         if e["cat"] in ("cuda_runtime", "cuda_driver") and e["name"] in LAUNCH_APIS:

@@ -164,6 +164,14 @@ def grade_axpy(report: Report, axpy_kernel):
             report.fail(f"{what}: {int(untouched.sum())} elements were not updated (first at index {first}): "
                         "the loop must run while i < y.size")
             return
+        wrong = not np.allclose(y, truth, rtol=1e-5, atol=0)
+        for own in (32, 64, 128, 256) if wrong else ():  # a block of its own written in: the first launches' 32...
+            if own != block and np.allclose(y, y0 + _updates_with_block(n, grid, block, own) * np.float64(a) * x,
+                                            rtol=1e-5, atol=0):
+                report.fail(f"{what}: this is what a kernel that takes blocks to be {own} threads computes: the "
+                            f"grader launches blocks of {block} threads here; use cuda.blockDim.x (or cuda.grid(1) "
+                            "and cuda.gridsize(1)), not a number of your own")
+                return
         doubled = np.isclose(y, y0 + 2 * a * x, rtol=1e-5, atol=0) & ~np.isclose(y, truth, rtol=1e-5, atol=0)
         if doubled.any():
             report.fail(f"{what}: {int(doubled.sum())} elements were updated twice: the stride must be the whole "
@@ -172,8 +180,21 @@ def grade_axpy(report: Report, axpy_kernel):
         passed, line = compare(y, truth, y0 + a * x, what=what)
         if not passed and np.allclose(y, a * x, rtol=1e-6, atol=0):
             line += ": y holds a * x alone: add to it, y[i] += a * x[i] (y's old value is part of the result)"
+        elif not passed and np.allclose(y, y0 + (c := float(np.median((y - y0) / x))) * x, rtol=1e-5, atol=0):
+            line += (f": y[i] grew by {c:.4g} * x[i] where the launch passed a = {a:.4g}: use the argument a, not a "
+                     "number of your own (the grader draws it on every run)")
         if not report.expect(passed, line, line):
             return
+
+
+def _updates_with_block(n: int, grid: int, block: int, own: int) -> np.ndarray:
+    """How often each of ``n`` elements is updated by a grid-stride loop launched as ``grid`` x ``block`` threads
+    whose kernel takes a block to be ``own`` threads (start blockIdx * own + threadIdx, stride own * gridDim)."""
+    counts = np.zeros(n)
+    for b in range(grid):
+        for t in range(block):
+            counts[b * own + t:n:own * grid] += 1
+    return counts
 
 
 @exercise("01.4", "2D matrix add", names=("matrix_add_kernel",))

@@ -105,13 +105,17 @@ def grade_add_bias(report: Report, add_bias_kernel):
         return report.fail(msg)
     # (rows, cols, BLOCK_M, BLOCK_N, dtype): rows != cols, neither a multiple of its block
     rng = fresh_rng(report)  # values, and a shape and blocks no statement shows, drawn fresh on every run
+    # and once with the largest blocks drawn, over more than one of them both ways: a tile of the kernel's own
+    # (tl.arange(0, 32) for BLOCK_M) smaller than those leaves elements unwritten on every run
     cases = sizes([(1, 1, 16, 16, "fp32"), (37, 53, 16, 32, "fp32"), (20, 130, 8, 64, "fp16"),
-                   (70, 9, 32, 16, "fp32"),
+                   (70, 9, 32, 16, "fp32"), (70, 131, 64, 128, "fp32"),
                    (int(rng.integers(2, 90)), int(rng.integers(2, 90)), int(rng.choice([4, 8, 64])),
                     int(rng.choice([4, 16, 128])), "fp32")],
                   [(1000, 1003, 32, 64, "fp32"), (1000, 1003, 64, 128, "fp16")])
     for rows, cols, bm, bn, dtype in cases:
-        pad_x, pad_y = 5, 3  # the two row strides differ from cols, and from each other
+        # the two row strides differ from cols, and from each other; y's are the wider, so that a kernel storing y
+        # with x's stride writes inside y's rows (into its padding), where the grader names it
+        pad_x, pad_y = 3, 5
         x_full, x = framed(rand(rng, (rows, cols)), dtype, NAN, pad_rows=bm, pad_cols=pad_x + bn)
         b_full, b = framed(rand(rng, cols), dtype, NAN)
         y_full, y = framed(np.full((rows, cols), POISON), dtype, POISON, pad_rows=bm, pad_cols=pad_y + bn)
@@ -121,6 +125,12 @@ def grade_add_bias(report: Report, add_bias_kernel):
         if not launch(report, what, add_bias_kernel, grid, x, b, y, rows, cols, sx, sy, BLOCK_M=bm, BLOCK_N=bn):
             return
         if outside_writes(POISON, y_full, data_mask(y_full.shape, rows, cols)):
+            written = host(y_full).ravel() != np.asarray(POISON, dtype=host(y_full).dtype)
+            at_sx = (np.arange(rows)[:, None] * sx + np.arange(cols)[None, :]).ravel()
+            if written.sum() == at_sx.size and written[at_sx].all():
+                return report.fail(f"{what}: y was stored with x's row stride: y's rows are stride_y = {sy} elements "
+                                   f"apart, x's stride_x = {sx}; address y at rows[:, None] * stride_y + "
+                                   "cols[None, :], each tensor with its own stride")
             return report.fail(f"{what}: wrote outside y (a row >= n_rows or a column >= n_cols): the mask needs "
                                "both, rows[:, None] < n_rows and cols[None, :] < n_cols; y's rows are stride_y apart")
         got, xs, bs = host(y), exact(x), exact(b)
@@ -131,7 +141,8 @@ def grade_add_bias(report: Report, add_bias_kernel):
         passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
         if not passed and "never written" in line:
             line += (": tl.program_id(0) runs over blocks of rows, tl.program_id(1) over blocks of columns; "
-                     "each program covers BLOCK_M rows and BLOCK_N columns")
+                     f"each program covers BLOCK_M rows and BLOCK_N columns: use the BLOCK_M and BLOCK_N the launch "
+                     f"passes (here {bm} and {bn}: the grader varies them), not numbers of your own")
         elif not passed:
             tol = tolerance(truth, reference, got.dtype)
             hxf = exact(x_full).ravel()
@@ -280,6 +291,7 @@ def grade_rms_norm(report: Report, rms_norm_kernel):
         truth = rms_norm64(xs, ws, eps)
         xr = x.float() if dtype == "fp16" else x
         reference = host((xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype))
+        hxf = exact(x_full).ravel()
 
         def mistakes(i):
             row = xs[i]
@@ -288,6 +300,8 @@ def grade_rms_norm(report: Report, rms_norm_kernel):
             return [
                 ("mask the load (cols < n_cols, other=0.0): the row's block reads past its end",
                  row / np.sqrt(((row * row).sum() + past) / cols + eps) * ws),
+                ("rows of x are stride_x elements apart, not n_cols: start row i at x_ptr + i * stride_x",
+                 rms_norm64(hxf[i * cols: i * cols + cols], ws, eps)),
                 ("divide the sum of squares by n_cols, not BLOCK: padding is not part of the row",
                  row / np.sqrt((row * row).sum() / block + eps) * ws),
                 ("add eps inside the square root: rsqrt(mean(x * x) + eps)", row / np.sqrt(ms) * ws),
@@ -373,6 +387,11 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
                                    "as stride_x and address row r at x_ptr + r * stride_x")
         passed, line = compare_rows(got, truth, reference, what, nonfinite=(
             "x * x overflows float16 for |x| > 256: compute the statistics in float32 (x.to(tl.float32))"))
+        if not passed and got.shape == truth.shape and (short := _first_columns_only(got, xs, ws, eps)):
+            return report.fail(f"{what}: only the first {short} values of each row were normalised (a BLOCK "
+                               f"of {short}, whatever n_cols is): choose BLOCK from n_cols, "
+                               "triton.next_power_of_2(n_cols), so that a tile row covers the whole row; the "
+                               "grader's rows are not all 64 or 128 wide")
         if not passed and got.shape == truth.shape and np.allclose(got.astype(np.float64), rms_norm64(xs, ws, USUAL_EPS),
                                                                     rtol=1e-2, atol=1e-3):
             line += f": {own_eps_hint(eps)}"
@@ -401,6 +420,23 @@ def grade_rms_norm_rows(report: Report, rms_norm_rows):
     if not torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2):
         return report.fail(f"{what}: the result is wrong at this size, so its speed is not graded")
     speed_vs_roof(report, what, lambda: rms_norm_rows(x, w, eps), 2 * x.nbytes + w.nbytes, SHORT_ROWS_AT_LEAST)
+
+
+def _first_columns_only(got, xs, ws, eps) -> int | None:
+    """The power of two c < n_cols such that each row of ``got`` begins with RMSNorm of its first c values
+    only (their sum of squares divided by n_cols or by c): what a launcher that fixes BLOCK at c computes,
+    whatever it leaves in the columns after; None if there is none."""
+    cols = xs.shape[1]
+    out = got.astype(np.float64)
+    for c in (16, 32, 64, 128, 256, 512, 1024):
+        if c >= cols:
+            break
+        head = xs[:, :c]
+        for over in (cols, c):
+            want = head / np.sqrt((head * head).sum(axis=1, keepdims=True) / over + eps) * ws[:c]
+            if np.allclose(out[:, :c], want, rtol=1e-2, atol=1e-3):
+                return c
+    return None
 
 
 # ---- 04.6 fused GroupNorm + SiLU -------------------------------------------------------------------
@@ -494,7 +530,9 @@ def grade_group_norm_silu(report: Report, group_norm_silu_kernel):
                                    f"{n} values; mask the store with offs < n")
             got = host(y)
             if nothing_written(got):
-                return report.fail(f"{what}: {STUB}")
+                return report.fail(f"{what}: {STUB}; if it is written, its loops never ran: a group holds "
+                                   f"n = C // n_groups * HW values, with the C, HW and n_groups the launch passes "
+                                   f"(here {C}, {HW} and {G}: the grader varies them), not numbers of your own")
             passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
             if not passed:
                 tol = tolerance(truth, reference, got.dtype)

@@ -13,7 +13,8 @@ import numpy as np
 from ..world import world
 from . import POISON, Report, call, compare, exercise, explain, fresh_rng
 from .harness import (NAN, PAD, STUB, data_mask, diagnose, exact, framed, host, launch, not_a_kernel,
-                   nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance)
+                   nothing_written, outside_writes, rand, rounding_floor, sizes, tolerance,
+                   tolerance_of)
 
 # ---- 05.1 which program computes a tile ------------------------------------------------------
 
@@ -83,9 +84,10 @@ def matmul_reference(a, b) -> np.ndarray:
     return host(a @ b).astype(np.float64)
 
 
-def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed, a_column_major=False):
+def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed, a_column_major=False, data=None):
     """A (M, K) and B (K, N) inside frames wide enough for a whole block past every edge; with
-    ``a_column_major``, A is the transpose of a row-major (K, M) tensor (stride_am = 1).
+    ``a_column_major``, A is the transpose of a row-major (K, M) tensor (stride_am = 1). ``data``, when
+    given, is the (A, B) to place (row-major B), else they are drawn.
 
     Past K the frame is NaN: a K step that reads there without a mask brings NaN into C. Past M and N
     it is finite: reading there only changes rows and columns of C that the masked store drops.
@@ -100,6 +102,8 @@ def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed, a_column_major=Fals
             full[data.shape[0]:, :] = float("nan")
         return view
 
+    if data is not None:
+        return place(data[0], 1, (bm, bk + 3)), place(data[1], 0, (bk, bn + 3))
     a = place(rand(rng, (K, M)), 0, (bk, bm + 3)).t() if a_column_major else place(rand(rng, (M, K)), 1, (bm, bk + 3))
     if b_transposed:  # B is the transpose of a row-major (N, K) tensor: stride_bk = 1
         b = place(rand(rng, (N, K)), 1, (bn, bk + 3)).t()
@@ -123,7 +127,44 @@ def _k_mistakes(A, B, K, bk):
     return out
 
 
+def _tile_hint(got, M, N, bm, bn) -> str | None:
+    """The hint for a kernel whose programs compute tiles of a size of their own, not the BLOCK_M x BLOCK_N the
+    launch passes: the elements written are the rows below some R and the columns below some C, one block of
+    R / (programs down) x C / (programs across) per program, short of M or N."""
+    written = got != np.asarray(POISON, dtype=got.dtype)
+    rows, cols = written.any(axis=1), written.any(axis=0)
+    R, C = int(rows.sum()), int(cols.sum())
+    gm, gn = -(-M // bm), -(-N // bn)
+    if (R, C) == (M, N) or not (rows[:R].all() and cols[:C].all()) or (written != np.outer(rows, cols)).any():
+        return None
+    if not ((R == M or R % gm == 0) and (C == N or C % gn == 0)):
+        return None
+    return (f"only the rows below {R} and the columns below {C} were written: each program computes the "
+            f"BLOCK_M x BLOCK_N tile the launch passes (here {bm} x {bn}); build offs_m, offs_n and the "
+            "accumulator from BLOCK_M and BLOCK_N, never from a tile size of your own")
+
+
+ACCUMULATOR_HINT = ("this is what a float16 accumulator gives: accumulate in float32, acc = tl.zeros((BLOCK_M, "
+                    "BLOCK_N), dtype=tl.float32) and acc = tl.dot(a, b, acc) (tl.dot's float32 out_dtype), and "
+                    "convert to C's dtype only at the store")
+
+
+def _lossy_fp16(rng, M, N, K, bk):
+    """fp16 A (M, K) and B (K, N) whose sums hold one large product, 32 x 32 = 1024, in the first K step; the
+    rest are small and positive, so the sum stays between 1024 and 2048, where float16 values are 1 apart.
+    Every later K step adds 0.23 to 0.46, less than half of that: a float32 accumulator keeps these
+    additions (K / BLOCK_K - 1 of them), a float16 accumulator rounds every one of them away."""
+    a = rng.uniform(0.12, 0.17, (M, K))
+    b = rng.uniform(0.12, 0.17, (K, N))
+    first = rng.integers(0, bk, size=M)  # where each row's large product lies, in the first step
+    a[np.arange(M), first] = 32.0
+    b[first, :] = 32.0  # (a row also meets the 32s of other rows' columns: 0.17 x 32 at most, in the first step)
+    return a, b
+
+
 # ---- 05.2 the K loop ---------------------------------------------------------------------------
+
+LOSSY = "a large product, then small ones"
 
 
 @exercise("05.2", "matmul: the K loop with masks", names=("matmul_kernel",))
@@ -133,26 +174,32 @@ def grade_matmul(report: Report, matmul_kernel):
     rng = fresh_rng(report)
     blocks = [int(rng.choice([16, 32, 64])) for _ in range(3)]  # tiles no statement shows, drawn on each run
     # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, dtype, B transposed, layout of A and C): K is rarely a multiple of
-    # BLOCK_K; A is sometimes column-major (stride_ak is not 1), C sometimes transposed (stride_cn is not 1)
+    # BLOCK_K; A is sometimes column-major (stride_ak is not 1), C sometimes transposed (stride_cn is not 1).
+    # The accumulator shows in two cases: fp16 A and B with a float32 C (any float16 rounding on the way shows
+    # there), and fp16 values whose sum a float16 accumulator cannot hold (LOSSY: see _lossy_fp16); the
+    # first of them has 64 x 64 tiles, larger than a tile size a kernel might write in for 16 or 32.
     cases = sizes([(16, 16, 16, 16, 16, 16, "fp32", False, ""), (37, 53, 45, 16, 32, 16, "fp16", False, ""),
                    (64, 70, 100, 32, 32, 32, "fp32", True, ""), (20, 33, 130, 16, 16, 64, "fp16", False, ""),
                    (29, 41, 37, 16, 16, 16, "fp32", False, "A column-major"),
                    (33, 19, 50, 16, 32, 16, "fp16", True, "C transposed"),
+                   (70, 90, 60, 64, 64, 16, "fp16/fp32", False, ""), (20, 24, 480, 16, 16, 16, "fp16", False, LOSSY),
                    (int(rng.integers(20, 90)), int(rng.integers(20, 90)), int(rng.integers(20, 150)), *blocks, "fp32",
                     bool(rng.integers(2)), str(rng.choice(["", "A column-major", "C transposed"])))],
                   [(1000, 1003, 517, 64, 64, 32, "fp16", False, ""), (257, 300, 200, 32, 64, 32, "fp32", True, ""),
                    (513, 260, 300, 64, 32, 32, "fp16", False, "A column-major"),
                    (300, 513, 260, 32, 64, 64, "fp16", True, "C transposed")])
     for M, N, K, bm, bn, bk, dtype, bt, layout in cases:
-        a, b = _operands(rng, M, N, K, bm, bn, bk, dtype, bt, a_column_major=layout == "A column-major")
+        dtype, c_dtype = (dtype.split("/") + [dtype])[:2]  # "fp16/fp32": fp16 A and B, a float32 C
+        data = _lossy_fp16(rng, M, N, K, bk) if layout == LOSSY else None
+        a, b = _operands(rng, M, N, K, bm, bn, bk, dtype, bt, a_column_major=layout == "A column-major", data=data)
         if layout == "C transposed":  # C is the transpose of a row-major (N, M) tensor: stride_cm = 1
-            c_full, c = framed(np.full((N, M), POISON), dtype, POISON, pad_rows=bn, pad_cols=bm + 3)
+            c_full, c = framed(np.full((N, M), POISON), c_dtype, POISON, pad_rows=bn, pad_cols=bm + 3)
             c = c.t()
         else:
-            c_full, c = framed(np.full((M, N), POISON), dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
+            c_full, c = framed(np.full((M, N), POISON), c_dtype, POISON, pad_rows=bm, pad_cols=bn + 3)
         grid = (-(-M // bm), -(-N // bn))
-        what = (f"({M}x{K}) @ ({K}x{N}) {dtype}{', B transposed' if bt else ''}{', ' + layout if layout else ''}, "
-                f"BLOCK_M/N/K = {bm}/{bn}/{bk}")
+        what = (f"({M}x{K}) @ ({K}x{N}) {dtype}{f' A and B, {c_dtype} C' if c_dtype != dtype else ''}"
+                f"{', B transposed' if bt else ''}{', ' + layout if layout else ''}, BLOCK_M/N/K = {bm}/{bn}/{bk}")
         if not launch(report, what, matmul_kernel, grid, a, b, c, M, N, K, a.stride(0), a.stride(1),
                       b.stride(0), b.stride(1), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk):
             return
@@ -166,18 +213,29 @@ def grade_matmul(report: Report, matmul_kernel):
         if nothing_written(got):
             return report.fail(f"{what}: {STUB}")
         truth = A @ B
-        reference = matmul_reference(a, b)
-        passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+        floor = rounding_floor(got.dtype)
+        if c_dtype != dtype:  # a float32 sum of exact fp16 products: float32's own rounding over K terms (x 4: a
+            # GPU's tensor cores truncate, in an order of their own), far below one float16 rounding step
+            reference = matmul_reference(a.float(), b.float())
+            floor = max(floor, 4 * K * float(np.finfo(np.float32).eps))
+        elif layout == LOSSY:  # the truth rounded to C's dtype: what a float32 accumulator gives
+            reference = truth.astype(got.dtype).astype(np.float64)
+        else:
+            reference = matmul_reference(a, b)
+        passed, line = compare(got, truth, reference, what=what, rtol_floor=floor)
         layout_hint = {"A column-major": f"here A is column-major (stride_am = {a.stride(0)}, stride_ak = "
                                          f"{a.stride(1)}): address A as offs_m * stride_am + offs_k * stride_ak, "
                                          "and never assume a stride of 1",
                        "C transposed": f"here C is a transposed view (stride_cm = {c.stride(0)}, stride_cn = "
                                        f"{c.stride(1)}): store at offs_m * stride_cm + offs_n * stride_cn, and "
                                        "never assume a stride of 1"}.get(layout)
-        if not passed and "never written" in line and layout_hint:
-            line += f": {layout_hint}"
+        tile_hint = _tile_hint(got, M, N, bm, bn) if not passed and "never written" in line else None
+        if tile_hint or (not passed and "never written" in line and layout_hint):
+            line += f": {tile_hint or layout_hint}"
         if not passed and "never written" not in line and "stub" not in line:
-            hint = diagnose(got, _k_mistakes(A, B, K, bk), tolerance(truth, reference, got.dtype))
+            hint = diagnose(got, _k_mistakes(A, B, K, bk), tolerance_of(truth, reference, floor))
+            if hint is None and (c_dtype != dtype or layout == LOSSY) and np.isfinite(got).all():
+                hint = ACCUMULATOR_HINT
             if hint is None and layout_hint:
                 hint = layout_hint
             if hint is None and np.isnan(got.astype(np.float64)).any():
@@ -210,10 +268,11 @@ def grade_epilogue(report: Report, linear_leaky_relu_kernel):
         return report.fail(msg)
     rng = fresh_rng(report)
     blocks = [int(rng.choice([16, 32, 64])) for _ in range(3)]  # tiles no statement shows, drawn on each run
-    # the last fields: A column-major (stride_ak is not 1) or C transposed (stride_cn is not 1)
+    # the last fields: A column-major (stride_ak is not 1) or C transposed (stride_cn is not 1); one case has
+    # 64 x 64 tiles, larger than a tile size a kernel might write in for 16 or 32
     cases = sizes([(37, 53, 45, 16, 32, 16, "fp32", ""), (20, 70, 50, 16, 32, 16, "fp16", ""),
                    (64, 40, 32, 32, 16, 32, "fp32", ""), (30, 45, 40, 16, 16, 16, "fp32", "A column-major"),
-                   (45, 30, 40, 16, 16, 32, "fp16", "C transposed"),
+                   (45, 30, 40, 16, 16, 32, "fp16", "C transposed"), (70, 90, 40, 64, 64, 16, "fp16", ""),
                    (int(rng.integers(20, 90)), int(rng.integers(20, 90)), int(rng.integers(20, 150)), *blocks, "fp32",
                     str(rng.choice(["", "A column-major", "C transposed"])))],
                   [(1000, 1003, 517, 64, 64, 32, "fp16", ""), (257, 300, 200, 32, 64, 32, "fp32", ""),
@@ -244,7 +303,10 @@ def grade_epilogue(report: Report, linear_leaky_relu_kernel):
         ref_mm = torch.from_numpy(matmul_reference(a, w)).to(a.dtype).to(a.device)
         reference = host(F.leaky_relu(ref_mm + bias[None, :], 0.01)).astype(np.float64)
         passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
-        if not passed and "never written" not in line:
+        tile_hint = _tile_hint(got, M, N, bm, bn) if not passed and "never written" in line else None
+        if tile_hint:
+            line += f": {tile_hint}"
+        elif not passed and "never written" not in line:
             mistakes = [("that is a @ w alone: add the bias and apply leaky ReLU to acc before the store", mm),
                         ("that is a @ w + bias: now apply leaky ReLU, x if x >= 0 else 0.01 x", mm + bs[None, :]),
                         ("leaky ReLU keeps 0.01 x for negative x, not 0", np.maximum(mm + bs[None, :], 0.0)),
@@ -334,9 +396,12 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
             return report.fail(f"{what}: {hint or explain(exc)}")
         if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
             return report.fail(f"{what}: wrote outside C (is matmul_kernel the one from exercise 05.2, masks and all?)")
-        got = host(c)
-        passed, line = compare(got, exact(a) @ exact(b), matmul_reference(a, b), what=what,
-                               rtol_floor=rounding_floor(got.dtype))
+        got, A, B = host(c), exact(a), exact(b)
+        truth, reference = A @ B, matmul_reference(a, b)
+        passed, line = compare(got, truth, reference, what=what, rtol_floor=rounding_floor(got.dtype))
+        if not passed and "never written" not in line and "stub" not in line:  # K % BLOCK_K is 7: a tail to miss
+            hint = diagnose(got, _k_mistakes(A, B, K, bk), tolerance(truth, reference, got.dtype))
+            line += f": {hint}" if hint else ""
         if not report.expect(passed, line, line + " (matmul_kernel is exercise 05.2's: pass its grader first)"):
             return
 

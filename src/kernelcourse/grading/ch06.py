@@ -23,7 +23,7 @@ import numpy as np
 from ..world import world
 from .harness import (HALF_POISON, LN2, LOG2E, NAN, POISON, Report, as_tuple, call, compare, compare_returned,
                       exact_f32, exercise, fresh_rng, guarded, tolerance_of)
-from .attention64 import attention64, causal_from_zero, tiled64
+from .attention64 import attention64, tiled64
 from .harness import diagnose, framed, largest_made, launch, not_a_kernel, rand, reproduces, to_numpy
 
 
@@ -40,6 +40,29 @@ def _check(got, truth, reference, what: str, floor: float = 64.0) -> tuple[bool,
 
 def _rand(rng, shape, scale=1.0):
     return rand(rng, shape, (scale,))
+
+
+def _drawn_scale(rng, d: int) -> float:
+    """A softmax scale drawn on each run, never near 1/sqrt(d): code that computes 1/sqrt(d) itself
+    instead of using the scale it is given then computes something else. Larger, never smaller, so that
+    scores meant to be near -1000 stay below -745, where exp underflows even in float64."""
+    return float(rng.uniform(1.25, 1.6)) / math.sqrt(d)
+
+
+def _own_scale_hint(name: str, given: float, usual: str) -> str:
+    return (f"this matches {name} = {usual}, where the grader passed {name} = {given:.4g}: use the {name} "
+            "argument, not a scale of your own (the grader draws it on every run)")
+
+
+def _head_hint(got, truth, reference, rtol_floor: float, strides: str) -> str | None:
+    """When head 0 is right and a later head is not: the heads were taken as packed back to back."""
+    right = [compare(got[h:h + 1], truth[h:h + 1], reference[h:h + 1], what="", rtol_floor=rtol_floor)[0]
+             for h in range(len(got))]
+    if len(got) < 2 or not right[0] or all(right):
+        return None
+    bad = right.index(False)
+    return (f"head 0 is right and head {bad} is not: head h starts h * stride elements in ({strides}), and the "
+            "heads need not lie back to back (here each is followed by rows that are not its own)")
 
 
 # ---- 06.1 combining split-KV partial results -----------------------------------------------------
@@ -106,7 +129,7 @@ def grade_combine(report: Report, combine_splits):
 
     # (rows, d, chunk sizes, spread of the chunks' scores, a chunk of row 0 with every key masked)
     cases = [(3, 4, (5, 7), 0.5, None), (4, 8, (16, 1, 9), 300.0, None), (5, 16, (32, 32, 32, 5), 800.0, None),
-             (3, 8, (10, 10, 10), 200.0, 1), (2, 4, (1,), 1.0, None)]
+             (3, 8, (10, 10, 10), 200.0, 1), (3, 8, (6, 10, 10), 100.0, 0), (2, 4, (1,), 1.0, None)]
     base = int(fresh_rng(report).integers(1 << 30))  # values drawn fresh on every run
     for i, (rows, d, sizes, spread, empty) in enumerate(cases):
         for seed in (0, 1):
@@ -116,7 +139,7 @@ def grade_combine(report: Report, combine_splits):
             largest = np.max(np.abs(lses[np.isfinite(lses)]))
             what = f"{len(sizes)} split{'s' if len(sizes) > 1 else ''} of {rows} rows (lse up to {largest:.0f})"
             if empty is not None:
-                what += ", one split empty (lse = -inf)"
+                what += ", the first split empty (lse = -inf)" if empty == 0 else ", one split empty (lse = -inf)"
             what += f", seed {seed}"
             got = call(report, what, combine_splits, o32.clone(), l32.clone())
             got = as_tuple(report, f"combine_splits ({what})", got, 2)
@@ -127,15 +150,29 @@ def grade_combine(report: Report, combine_splits):
             ref_o = to_numpy((wts[..., None] * o32).sum(dim=0)).astype(np.float64)
             ref_lse = to_numpy(torch.logsumexp(l32, dim=0)).astype(np.float64)
             mistakes, _ = _combine_mistakes(exact_f32(outs), exact_f32(lses))
+            nan_hint = ("an empty split (lse = -inf) must get weight exp(-inf - m) = 0; if every exponent is "
+                        "huge, subtract the largest lse first")
+            if empty == 0:
+                nan_hint = ("the first split is empty (lse = -inf): a running max started at -inf is still -inf "
+                            "there, and exp(-inf - (-inf)) is NaN; an empty split must get weight 0 (take the max "
+                            "over every split first, or skip a split whose lse is -inf)")
+
+            def only_the_empty_row(x) -> bool:  # NaN or Inf on row 0, the row with the empty split, alone
+                with np.errstate(invalid="ignore"):
+                    bad = ~np.isfinite(np.asarray(to_numpy(x), dtype=np.float64).reshape(rows, -1)).all(axis=1)
+                return empty is not None and bad[0] and not bad[1:].any()
+
             ok, line = _check(got[1], truth_lse, ref_lse, what=f"lse, {what}")
             if not ok:
-                return report.fail(line, diagnose(got[1], [(h, l) for h, _, l in mistakes], truth=truth_lse))
+                hint = nan_hint if "NaN or Inf" in line and only_the_empty_row(got[1]) else \
+                    diagnose(got[1], [(h, l) for h, _, l in mistakes], truth=truth_lse)
+                return report.fail(line, hint)
             ok, line = _check(got[0], truth_o, ref_o, what=f"output, {what}")
             if not ok:
-                hint = diagnose(got[0], [(h, o) for h, o, _ in mistakes], truth=truth_o)
+                hint = nan_hint if "NaN or Inf" in line and only_the_empty_row(got[0]) else \
+                    diagnose(got[0], [(h, o) for h, o, _ in mistakes], truth=truth_o)
                 if hint is None and "NaN or Inf" in line:
-                    hint = ("an empty split (lse = -inf) must get weight exp(-inf - m) = 0; if every exponent is "
-                            "huge, subtract the largest lse first")
+                    hint = nan_hint
                 return report.fail(line, hint)
             report.ok(f"{what}: output and lse match")
 
@@ -277,6 +314,18 @@ def _worst_of(truth_o, truth_lse, scores, v):
     return worst[0], worst[1]
 
 
+def _causal_from_zero32(q, k, v, scale):
+    """causal_from_zero as float32 computes it: there exp(s - 0) is 0 below about -104 (in float64 only
+    below -745), so a row whose scores are all below that gives 0 / 0 = NaN."""
+    o, lse = attention64(q, k, v, scale, causal=True)
+    s = np.where(np.tril(np.ones((q.shape[0], k.shape[0]), dtype=bool)), q @ k.T * scale, -np.inf)
+    with np.errstate(under="ignore", over="ignore"):
+        dead = (np.exp(s.astype(np.float32)) == 0).all(axis=1)
+    o, lse = o.copy(), lse.copy()
+    o[dead], lse[dead] = np.nan, -np.inf
+    return o, lse
+
+
 BELOW = -1000.0  # a logit scale below 0: every score of every row near this value, far below 0
 
 
@@ -344,7 +393,7 @@ def grade_tiled_attention(report: Report, tiled_attention):
                          ("with causal=True, query i sees only the keys j <= i: mask the others", dict())]
                 mistakes = [(h, attention64(q, k, v, scale, **kw)) for h, kw in masks]
                 mistakes.append((bugs[-1][0], tiled64(q, k, v, scale, bn, "max_from_zero")) if not causal else
-                                (bugs[-1][0], causal_from_zero(q, k, v, scale)))
+                                (bugs[-1][0], _causal_from_zero32(q, k, v, scale)))
             else:
                 mistakes = [(h, tiled64(q, k, v, scale, bn, bug)) for h, bug in bugs]
             ok, line = _check(got[0], truth_o, ref_o, what=f"output, {what}", floor=256)
@@ -390,7 +439,8 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
              (3, 45, 77, 32, 32, 32, "fp32", 30.0, 3),
              (2, 33, 100, 64, 32, 32, "fp16", 1.0, 4),
              (1, 16, 9, 16, 16, 16, "fp32", 1.0, 5),      # fewer keys than one tile
-             (1, 16, 40, 16, 16, 16, "fp32", BELOW, 9)]   # every score far below 0
+             (1, 16, 40, 16, 16, 16, "fp32", BELOW, 9),   # every score far below 0
+             (1, 100, 40, 16, 32, 16, "fp32", 1.0, 10)]   # more query tiles of 32 than tiles of 16 would cover
     if gpu:  # tl.dot on float32 is TF32 on a GPU: grade in half precision there, with larger sizes
         cases = [(h, nq, nk, d, bm, bn, "fp16", ls, s) for h, nq, nk, d, bm, bn, _, ls, s in cases]
         cases += [(4, 300, 1000, 64, 64, 64, "fp16", 30.0, 6), (2, 129, 257, 128, 64, 32, "fp16", 1.0, 7)]
@@ -408,7 +458,7 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         v_full, tv = framed(v, dtype, NAN, pad_rows=bn)
         o_full, to = framed(np.zeros((heads, n_q, d)), dtype, poison, pad_rows=bm)
         to.fill_(poison)
-        scale = 1.0 / math.sqrt(d)
+        scale = _drawn_scale(rng, d)  # a softmax scale of the run's own: a kernel must use qk_scale
         grid = (-(-n_q // bm), heads)
         what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, "
                 f"BLOCK_N={bn}, {dtype}{', large logits' if ls > 10 else ''}"
@@ -434,6 +484,13 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
         if ok:
             report.ok(line)
             continue
+        hint = _head_hint(got, truth, ref, (256 if dtype == "fp32" else 4) * eps,
+                          "q_ptr + h * stride_qh, k_ptr + h * stride_kh, v_ptr + h * stride_vh, o_ptr + h * stride_oh")
+        if hint is None and "never written" in line:
+            hint = (f"program start_m handles the BLOCK_M queries from start_m * BLOCK_M: use the BLOCK_M the launch "
+                    f"passes (here {bm}: the grader varies it), not a number of your own")
+        if hint is not None:
+            return report.fail(line, hint)
         per_head = lambda bug: np.stack([tiled64(qs[h], ks[h], vs[h], scale, bn, bug)[0] for h in range(heads)])  # noqa: E731
         all_heads = lambda sc: np.stack([attention64(qs[h], ks[h], vs[h], sc)[0] for h in range(heads)])  # noqa: E731
         mistakes = [
@@ -452,6 +509,7 @@ def grade_inner_loop(report: Report, attention_fwd_kernel):
             ("the loop must cover the last, partial tile too", per_head("last_tile_missing") if tail else None),
             ("start m_i at -inf, not 0: when every score of a row is far below 0, exp2(s - 0) underflows to 0 "
              "and acc / l_i is 0 / 0", per_head("max_from_zero") if ls < 0 else None),
+            (_own_scale_hint("qk_scale", scale * LOG2E, "log2(e)/sqrt(HEAD_DIM)"), all_heads(1.0 / math.sqrt(d))),
         ]
         hint = diagnose(got, mistakes, truth=truth)
         if hint is None and bad.any() and tail:
@@ -496,12 +554,15 @@ def _tile_cases(rng):
     return cases
 
 
-def _range_cases():
+def _range_cases(rng):
     out = []
     for bm, bn in ((64, 64), (128, 64), (64, 128), (32, 16), (3, 4), (5, 2), (16, 1), (48, 32)):
         for n_k in (1, 7, bn, 3 * bn, 3 * bn + 5, 200, 1000):
             for start_m in range(0, 9):
                 out.append((start_m, bm, bn, n_k))
+    for _ in range(60):  # and tiles and sizes drawn on every run, so that a table of answers cannot pass
+        bm, bn, n_k = int(rng.integers(1, 160)), int(rng.integers(1, 160)), int(rng.integers(1, 3000))
+        out.append((int(rng.integers(0, n_k // bm + 3)), bm, bn, n_k))
     return out
 
 
@@ -559,7 +620,7 @@ def grade_causal(report: Report, causal_tile, key_range):
         (lambda s, bm, bn, nk: (0, key_range_truth(s, bm, bn, nk)[1]),
          "tiles entirely below the diagonal need no mask: n_full is the start of the first tile that crosses it"),
     ]
-    cases = _range_cases()
+    cases = _range_cases(rng)
     for start_m, bm, bn, n_k in cases:
         asked = f"key_range({start_m}, {bm}, {bn}, {n_k})"
         got = call(report, asked, key_range, start_m, bm, bn, n_k)
@@ -642,7 +703,7 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
     for i, (n_q, n_k, d, ls) in enumerate([(8, 16, 8, 1.0), (5, 33, 16, 300.0), (2, 7, 4, 1.0)]):
         rng = np.random.default_rng(base + 50 + i)
         q, k, _ = _attention_inputs(rng, n_q, n_k, d, ls)
-        scale = 1.0 / math.sqrt(d)
+        scale = _drawn_scale(rng, d)  # drawn: P must use the sm_scale it is given
         s = q @ k.T * scale
         lse = s.max(axis=1) + np.log(np.exp(s - s.max(axis=1, keepdims=True)).sum(axis=1))
         # Every other row gets an lse a little off the true one (as saved from slightly different scores):
@@ -659,6 +720,8 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
         ok, line = _check(got, truth, ref, what=what)
         if not ok:
             mistakes = [("scale the scores first: P = exp(q kᵀ · sm_scale - lse)", np.exp(q @ k.T - lse32[:, None])),
+                        (_own_scale_hint("sm_scale", scale, "1/sqrt(d)"),
+                         np.exp(q @ k.T / math.sqrt(d) - lse32[:, None])),
                         ("lse is a natural log: P = exp(s - lse), not exp2", np.exp2(s - lse32[:, None])),
                         ("subtract each row's own lse: lse[:, None], one per query row", np.exp(s - lse32[None, :n_k])
                          if n_k <= n_q else None),
@@ -676,7 +739,8 @@ def grade_lse(report: Report, lse_from_state, probs_from_lse):
 
 
 def _causal_inputs(heads, n_q, n_k, d, bm, bn, dtype, logit_scale, seed):
-    """q, k, v on the device framed by NaN (so a load past the end shows), o framed by poison."""
+    """q, k, v on the device framed by NaN (so a load past the end shows), o framed by poison; and the
+    softmax scale, drawn (a kernel must use the qk_scale it is given)."""
     rng = np.random.default_rng(6700 + seed)
     qkv = [_attention_inputs(rng, n_q, n_k, d, logit_scale) for _ in range(heads)]
     _, tq = framed(np.stack([x[0] for x in qkv]), dtype, NAN, pad_rows=bm)
@@ -684,12 +748,11 @@ def _causal_inputs(heads, n_q, n_k, d, bm, bn, dtype, logit_scale, seed):
     _, tv = framed(np.stack([x[2] for x in qkv]), dtype, NAN, pad_rows=bn)
     _, to = framed(np.zeros((heads, n_q, d)), dtype, NAN, pad_rows=bm)
     to.fill_(POISON if dtype == "fp32" else HALF_POISON)
-    return tq, tk, tv, to
+    return tq, tk, tv, to, _drawn_scale(rng, d)
 
 
-def _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn, **meta) -> bool:
+def _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn, scale, **meta) -> bool:
     heads, n_q, d = tq.shape
-    scale = 1.0 / math.sqrt(d)
     return launch(report, what, kernel, (-(-n_q // bm), heads), tq, tk, tv, to, scale * LOG2E,
                   tq.stride(0), tk.stride(0), n_q, tk.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, **meta)
 
@@ -699,15 +762,14 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
     import torch
 
     heads, n_q, n_k, d, bm, bn, dtype, ls, seed = case
-    tq, tk, tv, to = _causal_inputs(*case)
+    tq, tk, tv, to, scale = _causal_inputs(*case)
     what = (f"{heads} head{'s' if heads > 1 else ''}, N_Q={n_q}, N_K={n_k}, d={d}, BLOCK_M={bm}, BLOCK_N={bn}, "
             f"{dtype}{', large logits' if ls > 10 else ''}")
-    if not _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn):
+    if not _launch_causal(report, what, kernel, tq, tk, tv, to, bm, bn, scale):
         return False
     poison = np.float32(POISON if dtype == "fp32" else HALF_POISON)
     got = to_numpy(to.float() if dtype != "fp32" else to)
     qs, ks, vs = (to_numpy(t.float()).astype(np.float64) for t in (tq, tk, tv))
-    scale = 1.0 / math.sqrt(d)
     truth = np.stack([attention64(qs[h], ks[h], vs[h], scale, causal=True)[0] for h in range(heads)])
     keep = np.tril(np.ones((n_q, n_k), dtype=bool))
     ref = to_numpy((torch.softmax((tq @ tk.transpose(-2, -1) * scale).masked_fill(
@@ -724,6 +786,14 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
     if ok:
         report.ok(line)
         return True
+    hint = _head_hint(got, truth, ref, (256 if dtype == "fp32" else 4) * eps,
+                      "q_ptr + h * stride_qh and o_ptr + h * stride_qh, k_ptr + h * stride_kh and v_ptr + h * stride_kh")
+    if hint is None and "never written" in line:
+        hint = (f"program start_m handles the BLOCK_M queries from q0 = start_m * BLOCK_M: use the BLOCK_M the launch "
+                f"passes (here {bm}: the grader varies it), not a number of your own")
+    if hint is not None:
+        report.fail(line, hint)
+        return False
     rows, cols = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
 
     def masked(keep_mask):
@@ -738,7 +808,18 @@ def _grade_causal_case(report: Report, kernel, case) -> bool:
     loaded = n_full_of_row + -(-(n_end_of_row - n_full_of_row) // bn) * bn   # the masked tiles end on a tile boundary
     bottom_right = ("the mask is top-left, as SDPA's is_causal: query i sees keys j <= i, not j <= i + N_K - N_Q "
                     "(bottom-right, the KV-cache convention)" if n_q != n_k else None)
+    past = int(loaded.max()) - n_k   # keys past N_K in the last masked tile: loaded as 0, scored 0 if not dropped
+    if past > 0:
+        zeros, cols_x = np.zeros((past, d)), np.arange(n_k + past)[None, :]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            scored_zero = np.stack([attention64(qs[h], np.vstack([ks[h], zeros]), np.vstack([vs[h], zeros]), scale,
+                                                keep=(cols_x < loaded) & (cols_x <= rows))[0] for h in range(heads)])
     mistakes = [
+        ("keys past N_K were loaded as 0 and scored 0, so they took a share of the softmax (the rows past N_K see "
+         "them): mask their scores too, keep = (keys[None, :] < N_K) & (keys[None, :] <= offs_m[:, None])",
+         scored_zero if past > 0 else None),
+        (_own_scale_hint("qk_scale", scale * LOG2E, "log2(e)/sqrt(HEAD_DIM)"),
+         np.stack([attention64(qs[h], ks[h], vs[h], 1.0 / math.sqrt(d), causal=True)[0] for h in range(heads)])),
         (bottom_right, masked((cols < n_full_of_row) | ((cols < loaded) & (cols <= rows + n_k - n_q)))),
         ("the tiles that cross the diagonal need the causal mask too: keep = keys[None, :] <= offs_m[:, None]",
          masked(np.broadcast_to(cols < loaded, (n_q, n_k)))),
@@ -781,9 +862,11 @@ def grade_causal_kernel(report: Report, causal_attention_kernel):
         return report.fail(msg)
     rng = fresh_rng(report)
     # the statement's boundaries: a last query tile that holds one query (it starts at the last query), and
-    # N_K not a multiple of BLOCK_N; values drawn fresh on every run
+    # N_K not a multiple of BLOCK_N, also below N_Q, where the keys past N_K are not above the diagonal (with
+    # scores near 0, where a key scored 0 takes a visible share); values and the softmax scale drawn fresh
     half = "fp16" if world().gpu else "fp32"  # tl.dot on float32 is TF32 on a GPU
-    cases = _causal_cases(world().gpu) + [(1, 49, 49, 16, 16, 16, half, 1.0, 0), (1, 33, 53, 16, 32, 16, half, 3.0, 0)]
+    cases = _causal_cases(world().gpu) + [(1, 49, 49, 16, 16, 16, half, 1.0, 0), (1, 33, 53, 16, 32, 16, half, 3.0, 0),
+                                          (1, 45, 27, 16, 16, 16, half, 1.0, 0)]  # rows past N_K see a partial tile
     for case in cases:
         case = (*case[:-1], int(rng.integers(1 << 30)))
         if not _grade_causal_case(report, causal_attention_kernel, case):

@@ -190,11 +190,38 @@ _MASK_HINTS = [
     ("fill_zero", "masked scores must be -inf, so that P is 0 there; a score of 0 still gets probability"),
     ("no_mask", "with causal=True query i sees only keys j <= i: mask S before the softmax"),
 ]
+# causal masks with the diagonal in the wrong place: which keys (j) each query (i) keeps
+_DIAGONAL_HINTS = [
+    (lambda i, j, n_q, n_k: j < i,
+     "query i sees key j when j <= i: each query sees its own key, so the mask hides j > i only (tril(), or "
+     "triu(diagonal=1) for the masked part), not the diagonal too"),
+    (lambda i, j, n_q, n_k: j <= i + (n_k - n_q),
+     "with causal=True query i sees keys j <= i counted from the top-left corner, whatever N_Q and N_K are "
+     "(query 0 sees key 0); a mask aligned to the bottom-right corner, j <= i + N_K − N_Q, is another convention"),
+]
+
+
+def _keeps(n_q, n_k, rule):
+    return rule(np.arange(n_q)[:, None], np.arange(n_k)[None, :], n_q, n_k)
+
+
+def _grads_keeping(q, k, v, do, scale, keep):
+    """Float64 gradients of one head whose softmax sees the keys ``keep`` marks; a row that sees none gives NaN,
+    as PyTorch's softmax of a row of -inf does."""
+    s = np.where(keep, q @ k.T * scale, -np.inf)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    p = p / p.sum(axis=1, keepdims=True)
+    ds = p * (do @ v.T - (do * (p @ v)).sum(axis=1, keepdims=True))
+    return ds @ k * scale, ds.T @ q * scale, p.T @ do
 
 
 def _grads_mistakes(q, k, v, do, scale, causal, which: int):
     bugs = _BUG_HINTS + (_MASK_HINTS if causal else [])
-    return [(hint, grads64(q, k, v, do, scale, causal, bug)[which]) for bug, hint in bugs]
+    found = [(hint, grads64(q, k, v, do, scale, causal, bug)[which]) for bug, hint in bugs]
+    if causal:
+        found += [(hint, _grads_keeping(q, k, v, do, scale, _keeps(len(q), len(k), rule))[which])
+                  for rule, hint in _DIAGONAL_HINTS]
+    return found
 
 
 def _check_grads(report, got, q, k, v, do, scale, causal, what, floor, ref=None) -> bool:
@@ -293,6 +320,24 @@ def grade_tiled_backward(report: Report, tiled_attention_backward):
             if any(_matches(g, u, t) for g, u, t in zip(got, unmasked, truth)):
                 return report.fail(f"{what}: the gradients include keys after their query: with causal=True, set P to "
                                    "0 where key j > query i (the lse leaves those keys out, but exp(S − lse) does not)")
+        # the last, shorter tile left out (range(0, N - block + 1, block)), or the diagonal in the wrong place
+        seen = np.tril(np.ones((n_q, n_k), dtype=bool)) if causal else np.ones((n_q, n_k), dtype=bool)
+        i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+        k_tail, q_tail = j < n_k - n_k % bn, i < n_q - n_q % bm
+        tails = (f"the last key tile is shorter (N_K={n_k} is no multiple of block_n={bn}) and its keys got no "
+                 f"gradient", f"the last query tile is shorter (N_Q={n_q} is no multiple of block_m={bm}) and its "
+                 f"queries got no gradient")
+        slips = [(seen & k_tail, tails[0]), (seen & q_tail, tails[1]), (seen & k_tail & q_tail, " and ".join(tails))]
+        slips = [(keep, hint + ": loop with range(0, N, block); a slice [n0:n0 + block] stops at N by itself")
+                 for keep, hint in slips if not keep.all() and (keep != seen).any()]
+        if causal:
+            slips += [(_keeps(n_q, n_k, rule), hint) for rule, hint in _DIAGONAL_HINTS]
+        for keep, hint in slips:
+            p_slip = np.where(keep, np.exp(q @ k.T * scale - x["lse"][:, None]), 0.0)
+            ds_slip = p_slip * (do @ v.T - x["delta"][:, None])
+            wrong = (ds_slip @ k * scale, ds_slip.T @ q * scale, p_slip.T @ do)
+            if any(_matches(g, w, t) for g, w, t in zip(got, wrong, truth)):
+                return report.fail(f"{what}: {hint}")
         # the tolerance's reference: the same recomputation, P = exp(S − lse) from the float32 lse, done by
         # PyTorch in float32 (scores of ±1000 cost it about eps · max|s|, more than the naive softmax's error)
         tq, tk, tv, tdo, tl = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v, do, lse))
@@ -345,7 +390,8 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         # what the kernel is given, rounded to its dtype: the truth is computed from exactly these
         rnd = lambda a: to_numpy(torch.from_numpy(a).to(dt).float()).astype(np.float64)  # noqa: E731
         q, k, v, do = (np.stack([rnd(h[j]) for h in heads_in]) for j in range(4))
-        scale = 1 / math.sqrt(d)
+        # sm_scale drawn on every run, 15-50% away from 1/sqrt(d): a kernel that writes its own scale in fails
+        scale = float(rng.uniform(1.15, 1.5) ** rng.choice([-1, 1])) / math.sqrt(d)
         stats = [grads64(q[h], k[h], v[h], do[h], scale)[3] for h in range(heads)]
         o = np.stack([rnd(s["o"]) for s in stats])                  # the forward's output, in the dtype
         lse = np.stack([_exact32(s["lse"]) for s in stats])
@@ -382,13 +428,29 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
                                            for h in range(heads)])]
         eps = float(torch.finfo(dt).eps)
         floor = _floor(q[0], k[0], scale, eps) if dtype == "fp32" else 4 * eps
+        # the scores scaled by 1/sqrt(HEAD_DIM) (or a number written in for it), not by the argument sm_scale
+        own_scale = (f"the scores are scaled by qk_scale = sm_scale · log2 e, with the sm_scale the launch passes (here "
+                     f"{scale:.4g}, drawn on every run), not by 1/√HEAD_DIM or a number written in")
+        p_own = [np.exp(q[h] @ k[h].T / math.sqrt(d) - lse[h][:, None]) for h in range(heads)]
+        own_scale_dk = np.stack([(p_own[h] * (do[h] @ v[h].T - delta[h][:, None])).T @ q[h] * scale
+                                 for h in range(heads)])
+        # the query loop stepped by a tile size written in (16 or 32) while each tile holds BLOCK_M rows:
+        # row i is counted once for every tile that covers it
+        tiles = (f"the query tiles are BLOCK_M rows each (here BLOCK_M={bm}): step the loop by BLOCK_M; a tile size "
+                 f"written as a number holds only for the launch it was written for (the grader launches several)")
+        covers = [np.array([sum(s0 <= i < s0 + bm for s0 in range(0, n_q, step)) for i in range(n_q)], dtype=float)
+                  for step in (16, 32) if step != bm]
+        p_all = [np.exp(q[h] @ k[h].T * scale - lse[h][:, None]) for h in range(heads)]
         mistakes_of = {
-            "dv": [("p = exp2(s · qk_scale − lse · log2 e): the lse is a natural log, convert it to base 2",
+            "dv": [(own_scale, np.stack([p_own[h].T @ do[h] for h in range(heads)])),
+                   *[(tiles, np.stack([(p_all[h] * w[:, None]).T @ do[h] for h in range(heads)])) for w in covers],
+                   ("p = exp2(s · qk_scale − lse · log2 e): the lse is a natural log, convert it to base 2",
                     np.stack([np.exp2(q[h] @ k[h].T * scale * LOG2E - lse[h][:, None]).T @ do[h] for h in range(heads)])),
                    ("qk_scale already holds log2(e): use tl.math.exp2, or tl.exp with the natural-log scale",
                     np.stack([np.exp(q[h] @ k[h].T * scale * LOG2E - lse[h][:, None] * LOG2E).T @ do[h]
                               for h in range(heads)]))],
-            "dk": [("dSᵀ = Pᵀ ∘ (dPᵀ − D): subtract D, one value per query (a column of the transposed tile)",
+            "dk": [(own_scale, own_scale_dk),
+                   ("dSᵀ = Pᵀ ∘ (dPᵀ − D): subtract D, one value per query (a column of the transposed tile)",
                     np.stack([(np.exp(q[h] @ k[h].T * scale - lse[h][:, None]) * (do[h] @ v[h].T)).T @ q[h] * scale
                               for h in range(heads)])),
                    ("dSᵀ = Pᵀ ∘ (dPᵀ − D): multiply by Pᵀ",
@@ -408,6 +470,11 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
             ok, line = compare(got, truth, r, what=f"{name}, {what}", rtol_floor=max(floor, rel))
             if not ok:
                 hint = _diagnose(got, mistakes_of[name], truth)
+                if hint is None and heads > 1 and compare(got[:1], truth[:1], r[:1], what=name,
+                                                          rtol_floor=max(floor, rel))[0]:
+                    hint = (f"head 0 is right, the others are not: head h of q and do starts at h * stride_qh, of lse "
+                            f"and delta at h * stride_lh (here the heads lie further apart than N_Q={n_q} rows: use "
+                            f"the strides the launch passes)")
                 if hint is None and not np.isfinite(got).all():
                     hint = ("queries past N_Q lie outside the head (here NaN): load q, do, lse and D with "
                             "mask=offs_m < N_Q (other=0.0)")

@@ -64,6 +64,17 @@ def _dx_mistakes(x, w, dy, block, eps=EPS):
     ]
 
 
+def columns_never_written(got: np.ndarray) -> int | None:
+    """The first column from which on no element of any row was written (all hold the poison) while every
+    element before it was: what a kernel leaves that covers fewer columns than the BLOCK it was launched with."""
+    unwritten = got == np.asarray(POISON, dtype=got.dtype)
+    empty = unwritten.all(axis=0)
+    if got.ndim != 2 or not empty.any():
+        return None
+    first = int(np.argmax(empty))
+    return first if first > 0 and empty[first:].all() and not unwritten[:, :first].any() else None
+
+
 # ---- 08.1 LayerNorm backward: dX -----------------------------------------------------------------
 
 
@@ -75,9 +86,11 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
     rng = fresh_rng(report)
     eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # float16 rows share a large offset: their sum in float16 loses the digits that x - mean keeps, so a
-    # kernel that computes the statistics in 16 bits is visibly wrong; BLOCK is sometimes wider than needed
+    # kernel that computes the statistics in 16 bits is visibly wrong; BLOCK is sometimes wider than needed, and
+    # rows longer than 1,024 take a BLOCK wider than any a kernel might write in
     for rows, cols, dtype, wide in sizes([(5, 37, "fp32", False), (3, 128, "fp32", True), (4, 200, "fp32", False),
-                                          (4, int(rng.integers(40, 100)), "fp16", False)],
+                                          (4, int(rng.integers(40, 100)), "fp16", False),
+                                          (2, int(rng.integers(1025, 1500)), "fp32", False)],
                                          [(513, 768, "fp32", False), (64, 3000, "fp32", False), (64, 1000, "fp16", True)]):
         block = (1 << (cols - 1).bit_length()) * (2 if wide else 1)
         for seed in (0, 1):
@@ -107,6 +120,10 @@ def grade_layer_norm_dx(report: Report, layer_norm_dx_kernel):
             ref = ref.astype(got.dtype).astype(np.float64)
             floor = 8 * float(np.finfo(np.float32).eps) if dtype == "fp32" else rounding_floor(got.dtype)
             ok, line = compare(got, truth, ref, what=f"dX, {what}", rtol_floor=floor, dtype=got.dtype)
+            if not ok and (first := columns_never_written(got)) is not None:
+                line += (f": columns {first} to {cols - 1} of every row were never written: a program covers the "
+                         f"BLOCK columns the launch passes (BLOCK={block} here; the grader varies it), "
+                         "tl.arange(0, BLOCK), not a number of your own")
             if not ok and "never written" not in line:
                 hint = diagnose(got, _dx_mistakes(xs, ws, dys, block, eps), tolerance(truth, ref, got.dtype))
                 if hint is None and dtype == "fp16":
@@ -131,7 +148,9 @@ def grade_column_sum(report: Report, column_sum_kernel):
             # the grader picks the block sizes, some that no statement shows: the kernel must use its arguments
             BLOCK_P, BLOCK_N = (16, 32) if seed == 0 else (int(rng.choice([4, 8, 32])), int(rng.choice([64, 128])))
             p64 = rand(rng, (n_parts, n_cols))
-            _, part = framed(p64, "fp32", NAN, pad_rows=BLOCK_P, pad_cols=5)
+            part_full, part = framed(p64, "fp32", NAN, pad_rows=BLOCK_P, pad_cols=5)
+            part_full[:n_parts, n_cols:] = PAD  # rows past n_parts are NaN; the end of each row finite, to be named
+            packed = host(part_full).reshape(-1)[:n_parts * n_cols].reshape(n_parts, n_cols).astype(np.float64)
             out_full, out = framed(np.full(n_cols, POISON), "fp32", POISON)
             what = f"{n_parts} partial sums of {n_cols} columns, BLOCK_P={BLOCK_P}, BLOCK_N={BLOCK_N}"
             grid = (-(-n_cols // BLOCK_N),)
@@ -158,6 +177,9 @@ def grade_column_sum(report: Report, column_sum_kernel):
                     line += ": only the first BLOCK_P rows were added: loop over all n_parts rows, BLOCK_P at a time"
                 elif n_parts > 1 and np.allclose(got, ps[-((n_parts - 1) % BLOCK_P + 1):].sum(0), rtol=1e-4, atol=1e-4):
                     line += ": the accumulator is overwritten in each step of the loop: add to it (acc += ...)"
+                elif np.allclose(got, packed.sum(0), rtol=1e-4, atol=1e-4):
+                    line += (f": the rows of part are `stride` elements apart ({part.stride(0)} here, a view into a "
+                             "wider tensor), not n_cols: address row r at part_ptr + r * stride")
             if not report.expect(ok, line, line):
                 return
 
@@ -215,19 +237,32 @@ def _expect_number(report, what, got, want, hints) -> bool:
 # ---- 08.4 reading a profiler trace --------------------------------------------------------------
 
 
-def synthetic_trace() -> list[dict]:
+def synthetic_trace(rng=None) -> list[dict]:
     """A small trace with known answers: a name launched often with short kernels beats the longest
     single kernel, runtime calls that must not count as GPU time, two overlapping kernels, and a
-    first kernel that does not start at 0."""
+    first kernel that does not start at 0. With ``rng``, its counts, times and durations are drawn (the
+    grader's, fresh on every run, so that no table of answers fits it); without, the fixed one below."""
+    if rng is None:
+        n, t0, small, gap, before_big, big, side_after, side, tail = 6, 100.0, 20.0, 10.0, 10.0, 100.0, 50.0, 80.0, 180.0
+    else:
+        n, small = int(rng.integers(4, 10)), round(float(rng.uniform(10, 30)), 1)
+        t0, gap, before_big = (round(float(rng.uniform(*r)), 1) for r in ((30, 300), (5, 15), (5, 20)))
+        big = round(float(rng.uniform(0.4, 0.8)) * n * small, 1)  # the longest call, less than the small ones' sum
+        # the copy starts inside the gemm and ends after it, as in the fixed trace, and is shorter than it
+        after = float(rng.uniform(0.3, 0.8))
+        side_after, side = round(after * big, 1), round((1 - after + float(rng.uniform(0.05, 0.2))) * big, 1)
+        tail = round(float(rng.uniform(20, 100)), 1)
     ev = [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 400.0}]
-    t = 100.0
-    for i in range(6):
-        ev.append({"cat": "kernel", "name": "small_add_kernel", "ts": t, "dur": 20.0})
+    t = t0
+    for i in range(n):
+        ev.append({"cat": "kernel", "name": "small_add_kernel", "ts": t, "dur": small})
         ev.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t - 5, "dur": 4.0})
-        t += 30.0
-    ev.append({"cat": "kernel", "name": "big_gemm_kernel", "ts": t + 10, "dur": 100.0})
-    ev.append({"cat": "kernel", "name": "side_stream_copy", "ts": t + 60, "dur": 80.0})  # overlaps the gemm
-    ev.append({"cat": "user_annotation", "name": "forward", "ts": 0.0, "dur": 600.0})
+        t = round(t + small + gap, 1)
+    ev.append({"cat": "kernel", "name": "big_gemm_kernel", "ts": t + before_big, "dur": big})
+    # the copy starts while the gemm runs (another stream): the two overlap
+    ev.append({"cat": "kernel", "name": "side_stream_copy", "ts": t + before_big + side_after, "dur": side})
+    ev.append({"cat": "user_annotation", "name": "forward", "ts": 0.0,
+               "dur": round(t + before_big + side_after + side + tail, 1)})
     return ev
 
 
@@ -238,7 +273,8 @@ def grade_trace(report: Report, dominant_kernel, idle_share):
     from .. import bench
     from .. import transformer as T
 
-    traces = [("the synthetic trace", synthetic_trace())]
+    rng = fresh_rng(report)  # the synthetic trace's counts and times, drawn fresh on every run
+    traces = [("the synthetic trace", synthetic_trace(rng))]
     for name in ("08_trace_course", "08_trace_eager"):
         try:
             traces.append((f"the recorded trace {name}", bench.load(name).rows))
@@ -303,11 +339,13 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     rng = fresh_rng(report)
     eps = draw_eps(rng)  # never the 1e-5 a kernel might write in: it must use its argument
     # float16 cases (the interpreter has no bfloat16) share a large offset: statistics summed in 16 bits lose
-    # the digits that x - mean keeps; the number of programs, and so the rows each one takes, varies
+    # the digits that x - mean keeps; the number of programs, and so the rows each one takes, varies (up to 10
+    # to 16 rows a program, of more than 1,024 columns: no ROWS_PER_PROGRAM or BLOCK written in covers them all)
     for rows, cols, programs, with_dres, dtype in sizes(
             [(7, 37, 3, False, "fp32"), (10, 64, 4, True, "fp32"), (5, 200, 5, True, "fp32"),
              (int(rng.integers(5, 12)), int(rng.integers(40, 100)), int(rng.integers(2, 5)), bool(rng.integers(2)),
-              "fp16")],
+              "fp16"),
+             (int(rng.integers(19, 32)), int(rng.integers(1025, 1300)), 2, True, "fp32")],
             [(8192, 768, None, True, "fp32"), (1000, 3000, None, False, "fp32"), (4096, 1000, None, True, "fp16")]):
         dt = torch.float16 if dtype == "fp16" else torch.float32
         h64 = rand(rng, (rows, cols), (1.0,)) + rng.uniform(250, 350) if dtype == "fp16" else \
@@ -348,6 +386,12 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
                 usual = ln_dx64(h64, w64, dy64, USUAL_EPS) + (exact(dres) if with_dres else 0.0)
                 if np.abs(g - usual).max() < 0.1 * np.abs(g - truths[key]).max():
                     line += f": {own_eps_hint(eps)}"
+            if not ok and key == "dx" and programs and (hint := rows_skipped(g, truths[key], rows, programs)):
+                line += f": {hint}"
+            elif not ok and key == "dx" and programs and cols > 1024 and "never written" not in line:
+                line += (f": rows longer than 1,024 elements are launched with BLOCK = {1 << (cols - 1).bit_length()}: "
+                         "a program covers the BLOCK columns the launch passes, tl.arange(0, BLOCK), not a number of "
+                         "your own")
             if not ok and key == "dx" and with_dres and compare(g, truths[key] - exact(dres), refs[key] - exact(dres),
                                                                 what="", rtol_floor=1e-5)[0]:
                 line += ": add dres (the gradient flowing past the LayerNorm) to dX when HAS_DRES"
@@ -384,6 +428,22 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     speed_vs_peers(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
                    lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
                    lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, KEEP_IN_REGISTERS)
+
+
+def rows_skipped(got, truth, rows: int, programs: int) -> str | None:
+    """08.5's hint when whole rows of dX are wrong and the others right, in the pattern of a kernel that takes
+    fewer rows per program than the launch's ROWS_PER_PROGRAM (a number of its own in the loop, or in the row
+    index too), or None."""
+    rpp = -(-rows // programs)
+    programs = -(-rows // rpp)
+    wrong = ~np.isclose(got, truth, rtol=1e-3, atol=1e-3 * float(np.abs(truth).max())).all(axis=1)
+    r = np.arange(rows)
+    if not any((wrong == (r % rpp >= k)).all() or (wrong == (r >= k * programs)).all() for k in range(1, rpp)):
+        return None
+    bad = np.flatnonzero(wrong)
+    return (f"rows {', '.join(map(str, bad[:4]))}{', ...' if bad.size > 4 else ''} are wrong, the others right: program pid "
+            f"takes the ROWS_PER_PROGRAM rows from pid * ROWS_PER_PROGRAM on, the number the launch passes ({rpp} "
+            "here; the grader varies it), not a number of your own")
 
 
 def rows_apart_by_their_stride(report: Report, kernel, rng, eps: float) -> bool:
@@ -507,7 +567,7 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             target[0] = ignore_index
         for block in blocks:
             # logits: a view into a wider tensor whose extra columns hold a finite pad
-            _, logits = framed(data, dtype, PAD, pad_rows=1, pad_cols=max(blocks) + 3)
+            logits_full, logits = framed(data, dtype, PAD, pad_rows=1, pad_cols=max(blocks) + 3)
             tgt = torch.from_numpy(target).to(dev)
             xs = exact(logits)
             loss64, grad64, lse64, valid = cross_entropy64(xs, target, ignore_index)
@@ -553,6 +613,14 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                 elif math.isclose(loss, loss64 * n_valid / count_all, rel_tol=1e-3):
                     hint = ("the mean is over the rows that are not ignored: divide by the number of targets "
                             "!= ignore_index, not by the number of rows")
+                elif math.isclose(loss, cross_entropy64(host(logits_full).astype(np.float64).reshape(-1)[:rows * V]
+                                                        .reshape(rows, V), target, ignore_index)[0], rel_tol=1e-3):
+                    hint = (f"the rows of the logits are {logits.stride(0)} elements apart here (a view into a wider "
+                            "tensor), not n_cols: pass logits.stride(0) and address row r at r * stride")
+                elif block < V and math.isclose(loss, _loss_of_first_columns(xs, target, valid, block), rel_tol=1e-3):
+                    hint = (f"only the first {block} columns of each row got into the log-sum-exp: step over the row by "
+                            "the BLOCK the launch passes (the grader varies it), for start in range(0, n_cols, BLOCK), "
+                            "loading tl.arange(0, BLOCK) at each step")
                 else:
                     hint = ("the loss of a row is logsumexp(x) - x[target], 0 for an ignored row; the mean divides "
                             "their sum by the number of rows not ignored")
@@ -593,6 +661,16 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                     line += f": {hint}"
             if not report.expect(ok, line, line):
                 return
+
+
+def _loss_of_first_columns(x, target, valid, block: int) -> float:
+    """08.6's mean loss with each row's log-sum-exp taken over its first ``block`` columns only: what a kernel
+    computes that steps over the row by more than the BLOCK it loads (a step of its own)."""
+    first = x[:, :block]
+    m = first.max(axis=1)
+    lse = m + np.log(np.exp(first - m[:, None]).sum(axis=1))
+    rows = np.flatnonzero(valid)
+    return float((lse[rows] - x[rows, target[rows]]).sum() / max(rows.size, 1))
 
 
 def _LargeTensors(numel: int):

@@ -48,9 +48,11 @@ def grade_operator(report: Report, softplus):
                            "@torch.library.custom_op(\"mywork::softplus\", mutates_args=())")
     dev = world().device
     rng = fresh_rng(report)
-    # the forward, on sizes that are not multiples of the block, with large values of both signs
-    for shape in ((1,), (1000,), (4097,), (3, 77)):
+    # the forward, on sizes that are not multiples of the block, with large values of both signs; 4097 first: one
+    # element past four blocks of 1,024 (or of any smaller power of two), that a grid of n // BLOCK leaves out
+    for shape in ((4097,), (1,), (1000,), (3, 77)):
         x64 = rng.standard_normal(shape) * rng.choice([1.0, 8.0, 30.0], size=shape)
+        x64.flat[-1] = abs(x64.flat[-1]) + 1.0  # softplus > 1.3 there: never the 0 an element never written may hold
         x = torch.from_numpy(x64).to(dev, torch.float32)
         got = call(report, f"softplus(x) for x of shape {shape}", softplus, x)
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape:
@@ -62,6 +64,13 @@ def grade_operator(report: Report, softplus):
         floor = 8 * float(np.finfo(np.float32).eps) / min(1.0, float(np.abs(truth).max()))
         ok, line = compare(got.detach().cpu().float().numpy(), truth, F.softplus(x).cpu().double().numpy(),
                            what=f"softplus(x), shape {shape}", rtol_floor=floor)
+        if not ok:
+            right = np.isclose(got.detach().cpu().double().numpy(), truth, rtol=1e-4, atol=1e-6).reshape(-1)
+            first = int(np.argmin(right)) if not right.all() else 0
+            if first > 0 and first % 32 == 0 and right[:first].all() and not right[first:].any():
+                line += (f": the elements from index {first} on are wrong, those before right: the last, partial "
+                         "block was never launched: the grid needs cdiv(n, BLOCK) programs, (n + BLOCK - 1) // BLOCK, "
+                         "not n // BLOCK")
         if not report.expect(ok, line, line):
             return
     # the fake implementation: shape, dtype and device of the output without running the kernel
