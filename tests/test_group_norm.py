@@ -47,3 +47,17 @@ def test_split_version_matches_float64(shape, groups, split, block):
     ref = K.group_norm_silu_ref(x, groups, w, b)
     err, ref_err = (y.double() - truth).abs().max().item(), (ref.double() - truth).abs().max().item()
     assert err <= max(2 * ref_err, 1e-5), (err, ref_err)
+
+
+def test_the_split_is_asked_for_below_a_program_per_sm_and_cut_into_whole_chunks(monkeypatch):
+    """On a GPU of 132 SMs: 256 groups already give every SM a program (one kernel); 64 groups of 40,960
+    values ask for 9 tiles (about four programs per SM), which whole chunks of 1024 values make 8 tiles."""
+    from kernelcourse import kernels
+
+    monkeypatch.setattr(kernels, "world", lambda: type("W", (), {"gpu": True})())
+    monkeypatch.setattr(kernels, "gpu_properties", lambda: {"multiprocessor_count": 132})
+    assert kernels.group_norm_split(256, 10240) == 1
+    assert kernels.group_norm_split(131, 10240) == 5
+    assert kernels.group_norm_split(64, 40960) == 9
+    assert kernels.group_norm_tiles(40960, 9, 1024) == (5120, 8)
+    assert kernels.group_norm_tiles(70, 5, 1024) == (1024, 1)         # a group smaller than a chunk: one tile

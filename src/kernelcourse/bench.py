@@ -241,7 +241,8 @@ def profile(fn, *, wait: int = 1, warmup: int = 3, active: int = 2) -> dict:
         raise RuntimeError("profiling a GPU's kernels needs a CUDA GPU; on the CPU, notebooks show recorded traces")
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)) as prof:
+                                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                                acc_events=True) as prof:  # one cycle: keep its events (else torch warns it clears them)
         for i in range(wait + warmup + active):
             fn()
             if i == wait + warmup - 1:

@@ -320,7 +320,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str = "", config: dict 
     args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     if config is None and world().gpu:
         if _matmul_tuned is None:
-            _matmul_tuned = triton.autotune(MATMUL_CONFIGS, key=["M", "N", "K"],
+            _matmul_tuned = triton.autotune(MATMUL_CONFIGS, key=["M", "N", "K", "ACTIVATION"],
                                             prune_configs_by={"early_config_prune": _prune_matmul_configs})(matmul_kernel)
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
         _matmul_tuned[grid](*args, ACTIVATION=activation)
@@ -402,11 +402,12 @@ def residual_layer_norm_lean(x, r, weight, bias, eps: float = 1e-5, activation: 
 
 
 def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch.Tensor:
-    """``matmul(a, b, activation)`` through the lean path: tiles found once per (M, N, K, dtype)."""
+    """``matmul(a, b, activation)`` through the lean path: tiles found once per (M, N, K, dtype, activation),
+    the autotuner's own key (an epilogue changes which tiles are fastest)."""
     assert a.shape[1] == b.shape[0] and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
     M, K = a.shape
     N = b.shape[1]
-    key = ("matmul", M, N, K, a.dtype, b.dtype)
+    key = ("matmul", M, N, K, a.dtype, b.dtype, activation)
     opts = _LAUNCH.get(key)
     if opts is None:
         c = matmul(a, b, activation)
@@ -417,7 +418,7 @@ def matmul_lean(a: torch.Tensor, b: torch.Tensor, activation: str = "") -> torch
     cfg, grid = opts
     c = torch.empty((M, N), device=a.device, dtype=a.dtype)
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    spec = key + (a.get_device(), activation) + specialization(a, b, c, *strides)  # what the key leaves free
+    spec = key + (a.get_device(),) + specialization(a, b, c, *strides)  # what the key leaves free
     direct(matmul_kernel, spec, grid, (a, b, c, M, N, K, *strides), {"ACTIVATION": activation, **cfg})
     return c
 
@@ -532,7 +533,7 @@ _register_autograd("matmul", TritonMatmul)
 # (appended after the chapter 05 section so that edits above it stay separate; it belongs to chapter 04)
 
 __all__ += ["group_norm_silu", "group_norm_silu_ref", "group_norm_silu_kernel", "group_norm_stats_kernel",
-            "group_norm_apply_silu_kernel", "group_norm_split", "GROUP_NORM_CONFIGS"]
+            "group_norm_apply_silu_kernel", "group_norm_split", "group_norm_tiles", "GROUP_NORM_CONFIGS"]
 
 
 def group_norm_silu_ref(x: torch.Tensor, n_groups: int, weight: torch.Tensor, bias: torch.Tensor,
@@ -648,12 +649,19 @@ def group_norm_apply_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, C, HW, n_
 
 
 def group_norm_split(programs: int, n: int, BLOCK: int = 1024) -> int:
-    """How many tiles to split each group into, on this GPU: none (1) when there are already two
-    programs per SM, else enough for about four programs per SM, at least a BLOCK of values per tile."""
+    """How many tiles to split each group into, on this GPU: none (1) when there is already a program
+    per SM, else enough for about four programs per SM, at least a BLOCK of values per tile."""
     if not world().gpu:
         return 1
     sms = gpu_properties()["multiprocessor_count"]
-    return 1 if programs >= 2 * sms else max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(n, BLOCK)))
+    return 1 if programs >= sms else max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(n, BLOCK)))
+
+
+def group_norm_tiles(n: int, split: int, BLOCK: int) -> tuple[int, int]:
+    """``(TILE, tiles)``: a group of ``n`` values cut into about ``split`` tiles of whole BLOCKs (chunks never
+    straddle two tiles), so the tiles launched can be fewer than ``split``."""
+    TILE = triton.cdiv(triton.cdiv(n, split), BLOCK) * BLOCK
+    return TILE, triton.cdiv(n, TILE)
 
 
 # Candidates for the autotuner on a GPU: the chunk each program loads per step, and the warps that share it.
@@ -687,8 +695,7 @@ def group_norm_silu(x: torch.Tensor, n_groups: int, weight: torch.Tensor, bias: 
     split = group_norm_split(B * n_groups, n) if split is None else split
     if split > 1:
         BLOCK = BLOCK or (1024 if world().gpu else min(1024, triton.next_power_of_2(n)))
-        TILE = triton.cdiv(triton.cdiv(n, split), BLOCK) * BLOCK  # a multiple of BLOCK: chunks never straddle tiles
-        tiles = triton.cdiv(n, TILE)
+        TILE, tiles = group_norm_tiles(n, split, BLOCK)
         part = torch.empty((B * n_groups, tiles, 2), device=x.device, dtype=torch.float32)
         grid = (B * n_groups, tiles)
         group_norm_stats_kernel[grid](x, part, C, HW, n_groups, TILE, BLOCK=BLOCK, num_warps=4)
