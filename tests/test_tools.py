@@ -154,3 +154,17 @@ def test_speed_margins_reads_each_graded_speed_line_and_its_threshold():
         "matrix add 4099 x 4101": (62.0, 60.0, False),
         "the causal kernel at (heads, N, d) = (64, 4096, 64), against its own run with every key visible": (0.86, 0.75, True)}
     assert set(speed_margins.versions()) == {"01.6", "04.5", "05.4", "06.8", "07.5", "08.5", "09.4"}
+
+
+def test_speed_margins_runs_as_a_script_from_anywhere(tmp_path):
+    """Run as the README says, from another folder: it finds the package and the grader tests it grades
+    with before it looks for a GPU (here there is none, and it says so)."""
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the script grades every speed check several times over: minutes")
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "speed_margins.py"), "08.5", "--runs", "1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "there is none here" in run.stdout, run.stdout + run.stderr

@@ -41,7 +41,6 @@ def speed_lines(text: str) -> dict[str, tuple[float, float, bool]]:
 
 def versions() -> dict[str, dict[str, dict]]:
     """{exercise: {"correct" or a wasteful version's name: the objects to grade}}, from the grader tests."""
-    sys.path.insert(0, str(ROOT))
     import tempfile
 
     from tests import test_grading_ch06 as t6
@@ -70,15 +69,14 @@ def main() -> int:
     ap.add_argument("exercises", nargs="*", help="exercise ids (default: every speed-graded one)")
     ap.add_argument("--runs", type=int, default=5, help="times each version is graded (default 5)")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # the course's package and its tests, whatever is installed
     import kernelcourse as kc
+    from tests.helpers import grade
 
+    table = versions()  # built before the GPU is looked for, so that a machine without one checks the imports
     if not kc.setup(quiet=True).gpu:
         print("tools/speed_margins.py times the speed checks on a CUDA GPU, and there is none here.")
         return 2
-    from tests.helpers import grade
-
-    table = versions()
     bad = 0
     for ex in args.exercises or list(table):
         ratios: dict[tuple[str, str], list[float]] = {}
