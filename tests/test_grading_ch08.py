@@ -417,7 +417,7 @@ def make_fused(mistake=""):
             else:
                 dw += dy * xhat
                 db += dy
-        if MISTAKE != "partials_through_memory":
+        if MISTAKE != "partials_through_memory" and MISTAKE != "no_partials":  # "no_partials": dX only
             tl.store(part, dw, mask=mask)
             tl.store(part + n_cols, db, mask=mask)
     return WithMistake(layer_norm_backward_kernel, mistake)
@@ -437,6 +437,7 @@ def test_08_5_accepts_correct():
     ("half_sum", "float32"),
     ("own_eps", "use the eps argument"),
     ("packed", "not r * n_cols"),
+    ("no_partials", "does every program store its partial dW and dB"),
 ])
 def test_08_5_rejects_mistakes(mistake, hint):
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
@@ -451,6 +452,48 @@ def test_08_5_rejects_launch_parameters_of_its_own(mistake, hint):
     """On the CPU no case had more than 256 columns, so block_256 passed, and only the drawn ones could have more than
     3 rows a program, so rows_3 passed on some runs and failed on others with the stride check's hint. A case of 10
     to 16 rows a program and more than 1,024 columns now shows both, each with its hint."""
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
+    assert not passed and hint in text, text
+
+
+class ReusedMemory:
+    """``torch`` as ``T.layer_norm_backward`` finds it on a GPU: ``torch.empty`` hands back the memory that a tensor
+    of the same size held before (PyTorch's caching allocator), with what was left in it."""
+
+    def __init__(self):
+        import torch
+
+        self.torch, self.blocks = torch, {}
+
+    def __getattr__(self, name):
+        return getattr(self.torch, name)
+
+    def _reused(self, shape, dtype, device):
+        key = (tuple(shape), dtype, str(device))
+        if key not in self.blocks:
+            self.blocks[key] = self.torch.empty(shape, dtype=dtype, device=device)
+        return self.blocks[key]
+
+    def empty_like(self, t, **kwargs):
+        return self.torch.empty_like(t, **kwargs) if kwargs else self._reused(t.shape, t.dtype, t.device)
+
+    def empty(self, shape, *, device=None, dtype=None):
+        return self._reused(shape if isinstance(shape, tuple) else (shape,), dtype, device)
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("rows_3", "the number the launch passes"),
+    ("block_256", "a program covers the BLOCK columns the launch passes"),
+])
+def test_08_5_names_launch_parameters_of_its_own_where_memory_holds_the_answer(monkeypatch, mistake, hint):
+    """On a GPU the launcher's torch.empty hands back memory freed before. Graded in the test's process after a
+    correct kernel had the same cases (the suite draws from one seed), dX already held the right values in the rows
+    and columns the wrong kernel skips: dX passed, and dW failed with no hint (H200, 2026). The grader fills dX
+    and the partial sums before each launch, so what a kernel leaves unwritten shows, whatever memory held."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # as on a GPU: what one grading leaves, the next one finds
+    monkeypatch.setattr(T, "torch", ReusedMemory())
+    passed, text = grade("08.5", layer_norm_backward_kernel=make_fused())
+    assert passed, text
     passed, text = grade("08.5", layer_norm_backward_kernel=make_fused(mistake))
     assert not passed and hint in text, text
 

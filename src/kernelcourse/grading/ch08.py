@@ -359,7 +359,8 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
         what = f"{rows} x {cols}" + (f", {programs} programs" if programs else "") + (", with dres" if with_dres else "")
         what += ", fp16 with a large common offset" if dtype == "fp16" else ""
         try:
-            dx, dw, db = T.layer_norm_backward(h, w, dy, eps, dres=dres, programs=programs, kernel=layer_norm_backward_kernel)
+            dx, dw, db = T.layer_norm_backward(h, w, dy, eps, dres=dres, programs=programs,
+                                               kernel=PoisonedOutputs(layer_norm_backward_kernel))
             if world().gpu:
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
@@ -379,7 +380,8 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
             floor = 8 * float(np.finfo(np.float32).eps) * (1 if key == "dx" else rows)
             ok, line = compare(g, truths[key], refs[key], what=f"{key}, {what}",
                                rtol_floor=max(floor, rounding_floor(g.dtype)) if g.dtype == np.float16 else floor)
-            if not ok and dtype == "fp16" and "never written" not in line:
+            unwritten = bool((g == np.asarray(POISON, dtype=g.dtype)).any())  # compare's line says so already
+            if not ok and dtype == "fp16" and not unwritten:
                 line += (": these rows share a large offset, and in float16 their sums lose the digits x - mean "
                          "needs: convert what you load with .to(tl.float32) and compute in float32")
             if not ok and key == "dx":
@@ -388,14 +390,18 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
                     line += f": {own_eps_hint(eps)}"
             if not ok and key == "dx" and programs and (hint := rows_skipped(g, truths[key], rows, programs)):
                 line += f": {hint}"
-            elif not ok and key == "dx" and programs and cols > 1024 and "never written" not in line:
+            elif not ok and key == "dx" and programs and cols > 1024 and (
+                    not unwritten or columns_never_written(g) is not None):
                 line += (f": rows longer than 1,024 elements are launched with BLOCK = {1 << (cols - 1).bit_length()}: "
                          "a program covers the BLOCK columns the launch passes, tl.arange(0, BLOCK), not a number of "
                          "your own")
             if not ok and key == "dx" and with_dres and compare(g, truths[key] - exact(dres), refs[key] - exact(dres),
                                                                 what="", rtol_floor=1e-5)[0]:
                 line += ": add dres (the gradient flowing past the LayerNorm) to dX when HAS_DRES"
-            if not ok and np.abs(g).max() > 1e6 * max(np.abs(truths[key]).max(), 1.0):
+            if not ok and key != "dx" and np.isnan(g).any():
+                line += (": the partial sums are NaN before the kernel runs (the grader fills them so): does every "
+                         "program store its partial dW and dB, at part_ptr + pid * 2 * n_cols?")
+            elif not ok and not unwritten and np.abs(g).max() > 1e6 * max(np.abs(truths[key]).max(), 1.0):
                 line += ": values this large were never computed: did the kernel store dx and the partial sums?"
             if not ok and key != "dx" and programs:
                 per_row = dy64 * xhat if key == "dw" else dy64
@@ -428,6 +434,28 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     speed_vs_peers(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
                    lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
                    lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, KEEP_IN_REGISTERS)
+
+
+class PoisonedOutputs:
+    """08.5's kernel as ``T.layer_norm_backward`` launches it, with dx filled with poison (-inf in float16, as
+    ``framed`` does) and the partial sums with NaN first. The launcher allocates them with torch.empty, which on a
+    GPU hands back memory freed before: often the right answer to the same case (PyTorch's reference, an earlier
+    grading), so rows or columns a kernel never writes would pass, and the mistake would show only in dW, unnamed."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def poisoned(h, dy, dres, w, dx, part, *args, **meta):
+            import torch
+
+            dx.fill_(-math.inf if dx.dtype == torch.float16 else POISON)
+            part.fill_(NAN)
+            return launch(h, dy, dres, w, dx, part, *args, **meta)
+
+        return poisoned
 
 
 def rows_skipped(got, truth, rows: int, programs: int) -> str | None:
