@@ -486,6 +486,26 @@ def test_06_4_rejects_a_block_m_of_its_own():
     assert not passed and "use the BLOCK_M the launch passes (here 32: the grader varies it)" in text, text
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_attention_hint_for_a_block_m_of_its_own_in_16_bits(dtype):
+    """On a GPU, 06.4 and 06.7 grade in float16 (and bfloat16): the output is poisoned with HALF_POISON and read
+    with .float(). The rows a kernel of BLOCK_M 16 never wrote under a launch of 32 hold -32768 there, which must
+    read as never written, so that the BLOCK_M hint is given (the CPU's float32 cases cannot show this)."""
+    import numpy as np
+
+    from kernelcourse.grading import ch06
+    from kernelcourse.grading.harness import HALF_POISON
+
+    truth = np.random.default_rng(0).standard_normal((1, 100, 16))
+    out = torch.from_numpy(truth).to({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
+    out[:, 80:96] = HALF_POISON  # the second half of query tile 2 of 32 (queries 80-95): never written
+    got = out.float().numpy()
+    ok, line, hint = ch06._compare_attention(got, truth, got.astype(np.float64), "case", dtype, 32,
+                                             "start_m * BLOCK_M", "q_ptr + h * stride_qh")
+    assert not ok and "never written" in line, line
+    assert hint and "use the BLOCK_M the launch passes (here 32: the grader varies it)" in hint, hint
+
+
 def test_06_4_rejects_heads_taken_as_packed():
     # head h at h * N_Q * HEAD_DIM (h * N_K * HEAD_DIM for k and v) instead of h * stride_qh...: the grader's
     # heads are further apart
