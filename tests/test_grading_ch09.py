@@ -108,6 +108,54 @@ def test_09_1_rejects_a_grid_of_n_floor_block():
     assert not passed and "the last, partial block was never launched" in text and "cdiv(n, BLOCK)" in text, text
 
 
+def test_09_1_a_grid_of_n_floor_block_fails_where_memory_holds_the_answer(monkeypatch):
+    """On a GPU the grader runs in the caller's process, and torch.empty hands back a block freed a moment ago
+    with its values: after a correct operator ran on the same drawn inputs (the same KC_GRADE_SEED), the tail a
+    grid of n // BLOCK never launched held the right answer and passed. The grader fills what the operator
+    allocates with NaN, so the tail shows."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    monkeypatch.setenv("KC_GRADE_SEED", "101")
+    assert grade("09.1", softplus=make_op("warm_memory"))[0]
+    passed, text = grade("09.1", softplus=make_op("floor_grid_warm", grid="floor"))
+    assert not passed and "from index 4096 on are wrong" in text and "never launched" in text, text
+
+
+def test_09_1_the_output_an_operator_allocates_starts_as_nan(monkeypatch):
+    """The mechanism, where the CPU's allocator would not show it: while the grader calls the operator's forward,
+    the tensor its launcher takes from torch.empty_like holds NaN, whatever memory held; the switch is put back."""
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")  # the recording must see the grader's calls
+    fresh = []
+
+    @torch.library.custom_op("test09::recording_empty", mutates_args=())
+    def softplus(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        fresh.append(bool(torch.isnan(y).all()))
+        softplus_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+        return y
+
+    softplus.register_fake(lambda x: torch.empty_like(x))
+    softplus.register_autograd(lambda ctx, dy: dy * torch.sigmoid(ctx.saved_tensors[0]),
+                               setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+    assert grade("09.1", softplus=softplus)[0]
+    assert fresh[:4] == [True] * 4, fresh  # the four forward cases
+    assert not torch.are_deterministic_algorithms_enabled()  # the switch is put back
+
+
+def test_09_1_names_a_launch_of_no_program_for_fewer_elements_than_a_block():
+    """n = 1 is less than any block: a grid of n // BLOCK is 0 programs there, and the output is never written."""
+    @torch.library.custom_op("test09::none_below_a_block", mutates_args=())
+    def softplus(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        if x.numel() >= 1024:  # right on the first case, 4097 elements; no program at all for n = 1
+            softplus_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+        return y
+
+    softplus.register_fake(lambda x: torch.empty_like(x))
+    passed, text = grade("09.1", softplus=softplus)
+    assert not passed and "shape (1,)" in text and "n = 1 is less than one block" in text, text
+    assert "the last, partial block was never launched" in text, text
+
+
 def test_09_1_draws_its_values_on_every_run(monkeypatch):
     """An operator that answers from a table of one run's outputs (keyed by the input's values) passes that run and
     fails the next: the inputs are drawn afresh."""

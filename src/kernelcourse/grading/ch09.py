@@ -16,7 +16,7 @@ import numpy as np
 
 from ..world import world
 from . import Report, call, compare, exercise, explain, fresh_rng, number, speed_vs_peer
-from .harness import diagnose, exact, tolerance
+from .harness import diagnose, exact, tolerance, unwritten_as_nan
 
 # ---- 09.1 a Triton kernel as an operator ----------------------------------------------------------
 
@@ -52,9 +52,10 @@ def grade_operator(report: Report, softplus):
     # element past four blocks of 1,024 (or of any smaller power of two), that a grid of n // BLOCK leaves out
     for shape in ((4097,), (1,), (1000,), (3, 77)):
         x64 = rng.standard_normal(shape) * rng.choice([1.0, 8.0, 30.0], size=shape)
-        x64.flat[-1] = abs(x64.flat[-1]) + 1.0  # softplus > 1.3 there: never the 0 an element never written may hold
+        x64.flat[-1] = abs(x64.flat[-1]) + 1.0  # softplus > 1.3 there: never the NaN or 0 an unwritten element holds
         x = torch.from_numpy(x64).to(dev, torch.float32)
-        got = call(report, f"softplus(x) for x of shape {shape}", softplus, x)
+        with unwritten_as_nan():  # the output the operator allocates starts as NaN, not as what memory held
+            got = call(report, f"softplus(x) for x of shape {shape}", softplus, x)
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape:
             return report.fail(f"softplus(x) for x of shape {shape} returned "
                                f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}: "
@@ -67,10 +68,14 @@ def grade_operator(report: Report, softplus):
         if not ok:
             right = np.isclose(got.detach().cpu().double().numpy(), truth, rtol=1e-4, atol=1e-6).reshape(-1)
             first = int(np.argmin(right)) if not right.all() else 0
+            n = right.size
+            grid_hint = ("the last, partial block was never launched: the grid needs cdiv(n, BLOCK) programs, "
+                         "(n + BLOCK - 1) // BLOCK, not n // BLOCK")
             if first > 0 and first % 32 == 0 and right[:first].all() and not right[first:].any():
-                line += (f": the elements from index {first} on are wrong, those before right: the last, partial "
-                         "block was never launched: the grid needs cdiv(n, BLOCK) programs, (n + BLOCK - 1) // BLOCK, "
-                         "not n // BLOCK")
+                line += f": the elements from index {first} on are wrong, those before right: {grid_hint}"
+            elif n < 32 and np.isnan(got.detach().cpu().double().numpy()).all():
+                # never written (NaN, unwritten_as_nan), and fewer elements than any block: n // BLOCK is 0
+                line += f": n = {n} is less than one block, so n // BLOCK is 0 programs and nothing ran: {grid_hint}"
         if not report.expect(ok, line, line):
             return
     # the fake implementation: shape, dtype and device of the output without running the kernel

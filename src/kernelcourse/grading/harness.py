@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -337,6 +338,34 @@ def to_numpy(x) -> np.ndarray:
             x = x.float()
         return x.numpy()
     return np.asarray(x)
+
+
+@contextmanager
+def unwritten_as_nan():
+    """While inside, every tensor that torch.empty and its kin (empty_like, new_empty, empty_strided) make is
+    filled with NaN: where a learner's launcher allocates its own output, an element its kernel never writes
+    holds NaN, on the CPU and on any GPU (chapter 09).
+
+    Why not trust, or poison, the memory itself: torch.empty gives whatever its allocator hands back, and
+    PyTorch's caching allocator on a GPU hands back the block of a tensor freed a moment ago, holding its
+    values. A grader's drawn input computed once before (a run repeated with KC_GRADE_SEED) left the right
+    answer there, and a kernel that never wrote the last block passed; poisoning a block and freeing it just
+    before the call relies on the allocator choosing that block next, which it need not. This is PyTorch's
+    documented switch for the purpose (torch.utils.deterministic.fill_uninitialized_memory, which acts while
+    deterministic algorithms are on; warn_only keeps learner code that uses a nondeterministic op running).
+    """
+    import torch
+
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    det = torch.utils.deterministic
+    fill = det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def largest_made(fn, *args):
