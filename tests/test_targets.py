@@ -198,19 +198,29 @@ def test_the_chapter_matmul_becomes_fma_mma_or_wgmma(compiled):
 def test_a_contiguous_launch_s_integers_are_specialised_as_a_launch_would():
     """Given the integers of a launch on contiguous 4096 x 4096 fp16 matrices (last strides 1, the rest
     multiples of 16), the matmul's loads are pipelined in shared memory where cp.async exists (sm_80 and
-    up: 3 stages of a 64 x 32 and a 32 x 64 fp16 tile, 8 KB each, on Hopper); without them the compile is
-    for any strides, unpipelined. A T4 (sm_75) has no cp.async: nothing is pipelined either way (Triton 3.4
-    stages 8.5 KB for any strides, 8 KB for the launch's)."""
+    up); without them the compile is for any strides, unpipelined. With num_stages = 3 a stage is a 64 x 32
+    and a 32 x 64 fp16 tile, 8 KB: Hopper's wgmma reads its operands from shared memory while the next
+    loads land, so all 3 stages are buffers (24 KB); mma.sync (an A100, an L4, and an H100 under gpu_check
+    --pre-hopper's DISABLE_MMA_V3=1) loads the stage it multiplies into registers first, so 2 are (16 KB).
+    A T4 (sm_75) has no cp.async: nothing is pipelined either way (Triton 3.4 stages 8.5 KB for any
+    strides, 8 KB for the launch's). Compiled for what each GPU gets by default, whatever this process's
+    DISABLE_MMA_V3 says, as the fixture above does."""
     import kernelcourse.targets as targets
 
     tile = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, ACTIVATION="")
-    n = 4096
+    n, stages, stage = 4096, 3, (64 * 32 + 32 * 64) * 2
     ints = dict(M=n, N=n, K=n, stride_am=n, stride_ak=1, stride_bk=n, stride_bn=1, stride_cm=n, stride_cn=1)
-    jobs = [dict(kernel=K.matmul_kernel, cc=cc, constexprs=tile, num_warps=4, num_stages=3, ints=i)
-            for cc in (75, 90) for i in (None, ints)]
-    t4_any, t4_launch, h100_any, h100_launch = (low.shared for low in targets.lowerings(jobs))
+    jobs = [dict(kernel=K.matmul_kernel, cc=cc, constexprs=tile, num_warps=4, num_stages=stages, ints=i)
+            for cc in (75, 80, 90) for i in (None, ints)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("DISABLE_MMA_V3", raising=False)
+        lows = targets.lowerings(jobs)
+    (t4_any, t4_launch), (a100_any, a100_launch), (h100_any, h100_launch) = (
+        (lows[i].shared, lows[i + 1].shared) for i in (0, 2, 4))
+    assert [lows[i].unit for i in (0, 2, 4)] == ["fma", "mma", "wgmma"], [low.counts for low in lows]
     assert t4_launch <= t4_any <= 9 * 1024, (t4_any, t4_launch)
-    assert h100_launch == 3 * (64 * 32 + 32 * 64) * 2 > h100_any, (h100_any, h100_launch)
+    assert a100_launch == (stages - 1) * stage > a100_any, (a100_any, a100_launch)
+    assert h100_launch == stages * stage > h100_any, (h100_any, h100_launch)
 
 
 # Candidates a pruner keeps whose compiled kernel does not fit the GPU after all (its estimate is too
