@@ -84,6 +84,15 @@ def test_stamp_check_catches_changed_code():
     assert "stale" in stamp.stamp_problem(nb)
 
 
+def test_stamp_check_ignores_comments_but_not_what_runs():
+    nb = _stamped_lesson()
+    nb.cells[1].source = "x = 1  # one, as measured\n# a note on its own line"
+    assert stamp.stamp_problem(nb) is None  # a comment mended: the outputs are still this code's
+    for changed in ("x = 1\ny = '# not a comment'", "x = 1\n\n", "x  =  1", "if True:\n    x = 1"):
+        nb.cells[1].source = changed
+        assert "stale" in stamp.stamp_problem(nb), changed
+
+
 def test_stamp_check_ignores_the_setup_cell_and_prose():
     nb = _stamped_lesson()
     nb.cells[0].source += "\n# another repository"

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import sys
+import tokenize
 import tomllib
 from pathlib import Path
 
@@ -85,9 +87,35 @@ def is_bootstrap(cell) -> bool:
     return cell.cell_type == "code" and BOOTSTRAP_TAG in cell.metadata.get("tags", [])
 
 
+def without_comments(source: str) -> str:
+    """A cell's code with its comments taken out: what runs, whatever its comments say.
+
+    Each comment is cut from its line (the line's trailing space with it), and a line left empty by the cut
+    is dropped; every other character stays, blank lines and strings included. Only the tokenizer's COMMENT
+    tokens are cut, so a ``#`` inside a string stays. A cell that does not tokenize (an IPython magic the
+    tokenizer rejects, code cut off mid-string) is kept whole.
+    """
+    try:
+        starts = [t.start for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):
+        return source
+    lines = source.split("\n")
+    dropped = set()
+    for row, col in starts:
+        kept = lines[row - 1][:col].rstrip()
+        if kept:
+            lines[row - 1] = kept
+        else:
+            dropped.add(row - 1)
+    return "\n".join(line for i, line in enumerate(lines) if i not in dropped)
+
+
 def code_hash(nb) -> str:
-    """Hash of the code a notebook runs, bootstrap cell excluded (it changes with the repository URL)."""
-    sources = [c.source for c in nb.cells if c.cell_type == "code" and not is_bootstrap(c)]
+    """Hash of the code a notebook runs, bootstrap cell excluded (it changes with the repository URL).
+
+    Comments are left out (``without_comments``): they cannot change an output, so mending one does not make
+    a lesson's GPU outputs stale. Any other change to a code cell does."""
+    sources = [without_comments(c.source) for c in nb.cells if c.cell_type == "code" and not is_bootstrap(c)]
     return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
 
 
