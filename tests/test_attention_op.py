@@ -127,6 +127,41 @@ def test_opcheck_forward_and_backward_operators():
     torch.library.opcheck(torch.ops.kernelcourse.attention_bwd.default, (q, k, v, o, lse, do, True, 0.25))
 
 
+@pytest.fixture
+def version_run(monkeypatch):
+    """Make the operator's forward run one of chapter 06's versions, as a GPU of another compute capability
+    picks it (v2 before Hopper, and under KC_MAX_CAPABILITY=8.0 on an H100), with plans of its own."""
+    def run(version):
+        monkeypatch.setattr(A, "default_version", lambda capability: version)
+        monkeypatch.setattr(A, "_plans", {})
+    return run
+
+
+@pytest.mark.parametrize("version", sorted(A.VERSIONS))
+def test_every_version_lays_its_outputs_out_as_the_fake_says(version_run, version):
+    """The fake implementations say what layout comes out, and torch.compile's code asserts it at run
+    time: the output is laid out as q (as (B, N, H, d) for heads of a fused projection), the log-sum-exp and
+    the gradients are contiguous, whichever version the GPU runs. The fake must not ask which version runs:
+    a compiled graph cached on disk is reused under another KC_MAX_CAPABILITY."""
+    version_run(version)
+    q, k, v, do = make(2, 4, 2, 21, 26, 16, seed=9)
+    fused = torch.randn(2, 21, 3, 4, 16, device=DEVICE, dtype=DTYPE)  # (B, N, 3, H, d), as a block's projection
+    qf, kf, vf = fused.permute(2, 0, 3, 1, 4).unbind(0)
+    for args in ((q, k, v), (qf, kf, vf), (qf, k, v)):
+        leaves = [t.clone().requires_grad_() if t.is_contiguous() else t.detach().requires_grad_() for t in args]
+        for _ in range(2):                                # the first call makes the plan, the second uses it
+            o, lse = torch.ops.kernelcourse.attention_fwd(*leaves, True, 0.25)
+            fake_o, fake_lse = AB._attention_fwd_fake(*leaves, True, 0.25)
+            assert o.stride() == fake_o.stride() == A._empty_in_layout_of(args[0]).stride(), (version, o.stride())
+            assert lse.stride() == fake_lse.stride() and lse.is_contiguous()
+            grads = torch.ops.kernelcourse.attention_bwd(*leaves, o, lse, do, True, 0.25)
+            fakes = AB._attention_bwd_fake(*leaves, o, lse, do, True, 0.25)
+            assert [g.stride() for g in grads] == [f.stride() for f in fakes], version
+        o64, grads64 = truth(*args, do, causal=True, sm_scale=0.25)
+        assert (o.double() - o64).abs().max().item() <= tolerance(q.dtype, o64), f"v{version}"
+    torch.library.opcheck(torch.ops.kernelcourse.attention_fwd.default, (*leaves, True, 0.25))
+
+
 def test_compiles_with_fullgraph_and_matches_eager():
     torch._dynamo.reset()
 

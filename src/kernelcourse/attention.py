@@ -775,12 +775,12 @@ def flash_attention(q, k, v, causal: bool = False, sm_scale: float | None = None
 _plans: dict[tuple, tuple] = {}   # shape key -> (version, kernel, grid, keyword arguments, the tuned config)
 
 
-def _new_output(q: torch.Tensor, version: int) -> torch.Tensor:
-    """The output tensor of the forward: laid out as q for the descriptor versions, contiguous for the
-    pointer ones. Also what the operator's fake implementation returns, so it must not look at data."""
-    if version in _DESCRIPTORS:
-        return _empty_in_layout_of(q)
-    return torch.empty(q.shape, device=q.device, dtype=q.dtype)
+def _new_output(q: torch.Tensor) -> torch.Tensor:
+    """The output tensor of the forward: laid out as q (``_empty_in_layout_of``), whichever version runs.
+    Also what the operator's fake implementation returns, so it must not look at data, nor ask which
+    version this GPU runs: torch.compile asserts the real output's strides against the fake's, and reuses
+    a graph compiled on disk under another KC_MAX_CAPABILITY (its cache key has the GPU's own capability)."""
+    return _empty_in_layout_of(q)
 
 
 _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
@@ -803,34 +803,41 @@ def _forward(q, k, v, causal: bool, scale: float):
     key = ("fwd", q.dtype, q.get_device(), B, H, h_kv, n_q, n_k, d, causal)
     plan = _plans.get(key)
     version = default_version(capability(q)) if plan is None else plan[0]
-    o = _new_output(q, version)
+    o = _new_output(q)                            # laid out as q, as the fake says, whichever version runs
     lse = torch.empty((B, H, n_q), device=q.device, dtype=torch.float32)
     if version in _DESCRIPTORS:
         q, k, v = _descriptor_ready(q), _descriptor_ready(k), _descriptor_ready(v)
         bm, bn = (plan[3]["BLOCK_M"], plan[3]["BLOCK_N"]) if plan else (16, 16)  # first call: the pre-hook's
+        rows = o                                  # a descriptor writes o in its own layout
         args = (_descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d), _descriptor(o, bm, d),
                 lse, scale * LOG2E.value, H, n_q, n_k)
     else:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        args = (q, k, v, o, lse, scale if version == 1 else scale * LOG2E.value, n_q, n_k)
+        # the pointer kernels write contiguous (B·H, N, d) rows: into o where it is laid out so, else into a
+        # buffer copied into o after the launch (q then came as heads of a fused projection, copied too)
+        rows = o if o.is_contiguous() else torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        args = (q, k, v, rows, lse, scale if version == 1 else scale * LOG2E.value, n_q, n_k)
     if plan is not None:
         # the plan fixes every integer and constexpr; the pointers' alignment is all that can still vary
         direct(plan[1], key + specialization(q, k, v), plan[2], args, plan[3])
         if plan[4] is not None:
             _chosen[f"v{version}"] = plan[4]      # what tuned_config() reports
-        return o, lse
-    consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
-    if world().gpu:
-        c = _launch_tuned(f"v{version}", lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H), *args, **consts)
-        cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
     else:
-        cfg = dict(INTERPRETER_CONFIG)
-        if version in _DESCRIPTORS:
-            _set_block_shapes({"q_desc": args[0], "k_desc": args[1], "v_desc": args[2], "o_desc": args[3],
-                               **cfg, "HEAD_DIM": d})
-        _KERNELS[version][(triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)](*args, **consts, **cfg)
-    _plans[key] = (version, _KERNELS[version], (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H), {**consts, **cfg},
-                   c if world().gpu else None)
+        consts = {"HEAD_DIM": d, "CAUSAL": causal, "KV_GROUP": H // h_kv}
+        if world().gpu:
+            c = _launch_tuned(f"v{version}", lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H), *args,
+                              **consts)
+            cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+        else:
+            cfg = dict(INTERPRETER_CONFIG)
+            if version in _DESCRIPTORS:
+                _set_block_shapes({"q_desc": args[0], "k_desc": args[1], "v_desc": args[2], "o_desc": args[3],
+                                   **cfg, "HEAD_DIM": d})
+            _KERNELS[version][(triton.cdiv(n_q, cfg["BLOCK_M"]), B * H)](*args, **consts, **cfg)
+        _plans[key] = (version, _KERNELS[version], (triton.cdiv(n_q, cfg["BLOCK_M"]), B * H), {**consts, **cfg},
+                       c if world().gpu else None)
+    if rows is not o:
+        o.copy_(rows)
     return o, lse
 
 
