@@ -352,6 +352,45 @@ def test_01_3_rejects_a_block_size_of_its_own():
     assert not passed and "takes blocks to be 32 threads" in text and "use cuda.blockDim.x" in text, text
 
 
+@cuda.jit
+def axpy_block_32_racing(a, x, y):
+    """axpy_block_32 as a GPU runs it when every racing update is lost: a thread past the first 32 of its block
+    reaches only elements that another thread reaches too (the next block's, or the first block's one stride on),
+    and its updates vanish; the result is right where blocks are 32 threads or more, so only a launch of smaller
+    blocks shows the mistake."""
+    if cuda.threadIdx.x >= 32:
+        return
+    i = cuda.blockIdx.x * 32 + cuda.threadIdx.x
+    while i < y.size:
+        y[i] += a * x[i]
+        i += 32 * cuda.gridDim.x
+
+
+def test_01_3_rejects_a_block_size_of_its_own_whose_races_lose_every_update():
+    passed, text = grade("01.3", axpy_kernel=axpy_block_32_racing)
+    assert not passed and "with 5 x 16 threads: this is what a kernel that takes blocks to be 32 threads" in text, text
+
+
+def test_01_3_names_a_block_of_its_own_from_a_result_with_lost_updates():
+    """On a GPU the overlapping threads of a kernel with blocks of 32 launched with 64 race: some elements come out
+    updated twice, others once (the second thread read y[i] before the first wrote it). Either count names it."""
+    import numpy as np
+
+    from kernelcourse.grading.ch01 import _own_block, _updates_with_block
+
+    rng = np.random.default_rng(0)
+    n, grid, block = 4099, 3, 64
+    a, x = np.float32(1.3), rng.uniform(0.5, 2.0, n).astype(np.float32)
+    y0 = rng.standard_normal(n).astype(np.float32)
+    most = _updates_with_block(n, grid, block, 32)
+    times = np.where(most > 1, rng.integers(1, 3, n), most)  # each racing update kept or lost at random
+    assert (times == 2).any() and (times[most == 2] == 1).any()
+    y = (y0 + times * a * x).astype(np.float32)
+    assert _own_block(y, y0, a, x, grid, block) == 32
+    y[7] = y0[7]  # an element every thread of that kernel reaches, never updated: another mistake
+    assert _own_block(y, y0, a, x, grid, block) is None
+
+
 def test_01_3_rejects_an_a_of_its_own():
     """a is drawn on every run (between 0.5 and 2, never exactly 2.0): a kernel that writes its own a fails."""
     passed, text = grade("01.3", axpy_kernel=axpy_own_a)

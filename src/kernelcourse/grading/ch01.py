@@ -128,8 +128,12 @@ def grade_axpy(report: Report, axpy_kernel):
         return report.fail(f"axpy_kernel {msg}")
     from numba import cuda
 
-    # (n, grid, block): fewer threads than elements, more threads than elements, exactly one wave.
-    cases = [(1000, 2, 32), (10, 4, 32), (4099, 3, 64)] + ([(1 << 20 | 5, 132, 256)] if world().gpu else [])
+    # (n, grid, block): fewer threads than elements, more threads than elements, exactly one wave; then blocks of
+    # 16 threads, fewer than any block a kernel may take as its own (32, 64...). Such a kernel leaves elements
+    # untouched there, on a GPU as in the simulator; where its threads overlap instead (blocks of 64), they race
+    # on y[i] += ..., and a GPU may lose any of their updates, every one included, which leaves y right.
+    cases = [(1000, 2, 32), (10, 4, 32), (4099, 3, 64), (2053, 5, 16)]
+    cases += [(1 << 20 | 5, 132, 256)] if world().gpu else []
     rng = fresh_rng(report)  # a and the values drawn fresh on every run
     for n, grid, block in cases:
         a = np.float32(rng.uniform(0.5, 2.0))
@@ -153,6 +157,12 @@ def grade_axpy(report: Report, axpy_kernel):
             report.fail(f"{what}: wrote past the end of y (index >= {n}): the loop must run while i < y.size")
             return
         truth = y0.astype(np.float64) + np.float64(a) * x.astype(np.float64)
+        own = _own_block(y, y0, a, x, grid, block)
+        if own is not None:  # a block of its own written in: the first launches' 32...
+            report.fail(f"{what}: this is what a kernel that takes blocks to be {own} threads computes: the "
+                        f"grader launches blocks of {block} threads here; use cuda.blockDim.x (or cuda.grid(1) "
+                        "and cuda.gridsize(1)), not a number of your own")
+            return
         untouched = y == y0
         threads = grid * block
         if n > threads and untouched[threads:].all():
@@ -164,14 +174,6 @@ def grade_axpy(report: Report, axpy_kernel):
             report.fail(f"{what}: {int(untouched.sum())} elements were not updated (first at index {first}): "
                         "the loop must run while i < y.size")
             return
-        wrong = not np.allclose(y, truth, rtol=1e-5, atol=0)
-        for own in (32, 64, 128, 256) if wrong else ():  # a block of its own written in: the first launches' 32...
-            if own != block and np.allclose(y, y0 + _updates_with_block(n, grid, block, own) * np.float64(a) * x,
-                                            rtol=1e-5, atol=0):
-                report.fail(f"{what}: this is what a kernel that takes blocks to be {own} threads computes: the "
-                            f"grader launches blocks of {block} threads here; use cuda.blockDim.x (or cuda.grid(1) "
-                            "and cuda.gridsize(1)), not a number of your own")
-                return
         doubled = np.isclose(y, y0 + 2 * a * x, rtol=1e-5, atol=0) & ~np.isclose(y, truth, rtol=1e-5, atol=0)
         if doubled.any():
             report.fail(f"{what}: {int(doubled.sum())} elements were updated twice: the stride must be the whole "
@@ -185,6 +187,28 @@ def grade_axpy(report: Report, axpy_kernel):
                      "number of your own (the grader draws it on every run)")
         if not report.expect(passed, line, line):
             return
+
+
+def _own_block(y, y0, a, x, grid: int, block: int) -> int | None:
+    """The block size, among those a kernel might write in (32, 64, 128, 256), that a kernel taking it as its own
+    computes ``y`` with under this launch, or None (also for the right result, each element updated once).
+
+    Each element must have been updated a whole number of times: as often as such a kernel's threads reach it
+    (``_updates_with_block``), or fewer, down to once, where several reach it: those threads race on
+    y[i] += a * x[i], and on a GPU an update is lost when two read y[i] before either writes (numba's simulator
+    never loses one). An element none reaches must be untouched."""
+    ax = np.float64(a) * x.astype(np.float64)
+    times = np.rint((y.astype(np.float64) - y0) / ax)
+    if (np.abs(y - (y0 + times * ax)) > 1e-5 * (np.abs(y0) + times * np.abs(ax))).any():  # float32's rounding
+        return None
+    if (times == 1).all():  # the right result: every element updated once
+        return None
+    for own in (32, 64, 128, 256):
+        if own != block:
+            most = _updates_with_block(y.size, grid, block, own)
+            if ((times <= most) & (times >= np.minimum(most, 1))).all():
+                return own
+    return None
 
 
 def _updates_with_block(n: int, grid: int, block: int, own: int) -> np.ndarray:
