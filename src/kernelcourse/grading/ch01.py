@@ -298,7 +298,10 @@ def grade_matrix_add_speed(report: Report, matrix_add):
     from numba import cuda
 
     rng = fresh_rng(report)  # values, and one shape no statement shows, drawn fresh on every run
-    drawn = (int(rng.integers(2, 160)), int(rng.integers(2, 160)))
+    # more than 32 rows and 32 columns: more elements than one block has threads (1,024 at most), so that a launcher
+    # with a grid of its own, not computed from C's shape, fails here (one drawn at 7 x 20 fitted one block of
+    # 32 x 8, and such a launcher passed)
+    drawn = (int(rng.integers(33, 129)), int(rng.integers(33, 129)))
     shapes = [(37, 53), (8, 130), (130, 8), drawn] + ([(1000, 1003)] if world().gpu else [])
     for rows, cols in shapes:
         a, b = _rand(rng, (rows, cols)), _rand(rng, (rows, cols))
@@ -333,11 +336,14 @@ def grade_matrix_add_speed(report: Report, matrix_add):
 
     rows, cols = SPEED_SHAPE
     ta, tb = (torch.randn(rows, cols, device="cuda") for _ in range(2))
-    tc = torch.empty_like(ta)
+    tc = torch.full_like(ta, POISON)  # poisoned, as above: torch.empty_like would hold whatever memory held
     d_a, d_b, d_c = (cuda.as_cuda_array(t) for t in (ta, tb, tc))
     matrix_add(d_a, d_b, d_c)
     cuda.synchronize()
     if not torch.equal(tc, ta + tb):
-        return report.fail(f"{rows}x{cols}: the result is wrong at this size, so its speed is not graded")
+        unwritten = int((tc == POISON).sum())
+        hint = (f": {unwritten} of {tc.numel()} elements never written: the grid must cover every row and every "
+                "column" if unwritten else "")
+        return report.fail(f"{rows}x{cols}: the result is wrong at this size, so its speed is not graded{hint}")
     speed_vs_roof(report, f"{rows}x{cols} float32 (A + B read, C written: {3 * ta.nbytes / 1e6:.0f} MB)",
                   lambda: matrix_add(d_a, d_b, d_c), 3 * ta.nbytes, SPEED_AT_LEAST)
