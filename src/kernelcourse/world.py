@@ -327,6 +327,38 @@ def device_capability(device=None) -> tuple[int, int]:
     return min(real, limit) if limit else real
 
 
+def _triton_flag(name: str) -> bool:
+    """A switch that Triton's compiler reads from the environment, as it reads it (getBoolEnv: 1, true, on)."""
+    return os.environ.get(name, "").lower() in ("1", "true", "on")
+
+
+def pre_hopper_emulation(capability: tuple[int, int] | None = None) -> str | None:
+    """Why the speed of Triton's tl.dot here is not a GPU's own, or None: on a Hopper GPU (compute capability
+    9.x; ``capability`` is the GPU's own, KC_MAX_CAPABILITY aside, torch's by default) with Triton's
+    ``DISABLE_MMA_V3`` set, as ``tools/gpu_check.py --pre-hopper`` and ``--as-t4`` set it.
+
+    There Triton compiles tl.dot to Ampere's mma.sync instead of Hopper's wgmma, so that the course's
+    kernels take the path of the GPUs before Hopper; the flag reaches only what Triton compiles. cuBLAS and
+    SDPA's attention kernels were compiled ahead of time and run as they do on Hopper: a speed check of a
+    Triton kernel against one of them compares a held-back kernel with an unhindered one, which is neither
+    what a Hopper GPU nor what an A100, an L4 or a T4 measures. (On a Blackwell GPU the flag changes
+    nothing: Triton's tl.dot is tcgen05 there.)
+    """
+    if not _triton_flag("DISABLE_MMA_V3"):
+        return None
+    if capability is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        capability = tuple(torch.cuda.get_device_capability())
+    if capability[0] != 9:
+        return None
+    return (f"DISABLE_MMA_V3 (gpu_check --pre-hopper or --as-t4) holds Triton's tl.dot to Ampere's mma.sync on "
+            f"this Hopper GPU (compute capability {capability[0]}.{capability[1]}), while library code runs as "
+            f"built for Hopper")
+
+
 _gpu_properties: dict[int, dict] = {}
 
 
