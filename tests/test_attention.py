@@ -200,7 +200,6 @@ def test_causal_key_range_classifies_every_tile(bm, bn):
     for n_k in (1, 63, 64, 200, 257):
         for q0 in range(0, 300, bm):
             n_full, n_end = A.causal_key_range.fn(q0, n_k, bm, bn)
-            queries = range(q0, q0 + bm)
             assert n_full % bn == 0 and 0 <= n_full <= n_end <= n_k
             assert all(j <= q0 for j in range(n_full))                   # the first query sees them: all do
             assert n_end == min(n_k, q0 + bm)                            # the last query sees keys < q0 + bm

@@ -8,8 +8,6 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import kernelcourse as kc
 from tests.helpers import grade, memorised
@@ -505,7 +503,7 @@ def test_07_6_draws_its_tile_sizes_on_every_run(monkeypatch):
 
 # ---- 07.7 the autograd Function -----------------------------------------------------------------------
 
-from kernelcourse.attention import attention_ref, flash_attention  # noqa: E402
+from kernelcourse.attention import flash_attention  # noqa: E402
 from kernelcourse.attention_backward import flash_attention_backward  # noqa: E402
 
 

@@ -156,7 +156,7 @@ def compiled(tmp_path_factory):
             jobs[(f"bwd {which}, largest kept tiles", cc)] = dict(kernel=kernel, cc=cc, constexprs=consts, types=FP32,
                                                                  num_warps=c.num_warps, num_stages=c.num_stages)
     # v3 reads through tensor descriptors: the version an H100 runs by default is v4, above; v3 too
-    desc = {n: f"tensordesc<fp16[1, 1, 64, 64]>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
+    desc = {n: "tensordesc<fp16[1, 1, 64, 64]>" for n in ("q_desc", "k_desc", "v_desc", "o_desc")}
     jobs[("fwd v3", 90)] = dict(kernel=A.flash_attention_v3_kernel, cc=90, types={**FP32, **desc}, num_stages=3,
                                 constexprs=dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, CAUSAL=False))
     # the reference answers, with small tiles (the unit does not depend on them; the compile time does)

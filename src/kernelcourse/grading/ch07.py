@@ -18,7 +18,7 @@ import numpy as np
 
 from ..world import world
 from . import POISON, Report, as_tuple, compare, exercise, fresh_rng, guarded, speed_vs_peer
-from .harness import largest_made, launch, not_a_kernel, to_numpy  # shared by the Triton graders
+from .harness import largest_made, not_a_kernel, to_numpy  # shared by the Triton graders
 from .attention64 import grads64, unmasked_grads64
 from .harness import HALF_POISON, LOG2E, NAN, compare_returned, diagnose, exact_f32, explain, framed, rand, reproduces
 
