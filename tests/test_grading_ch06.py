@@ -2,9 +2,8 @@
 different but correct answers are accepted. Kernels run in Triton's interpreter on the CPU."""
 import math
 
+import numpy as np
 import pytest
-
-import kernelcourse as kc
 import torch
 import triton
 import triton.language as tl
@@ -491,8 +490,6 @@ def test_attention_hint_for_a_block_m_of_its_own_in_16_bits(dtype):
     """On a GPU, 06.4 and 06.7 grade in float16 (and bfloat16): the output is poisoned with HALF_POISON and read
     with .float(). The rows a kernel of BLOCK_M 16 never wrote under a launch of 32 hold -32768 there, which must
     read as never written, so that the BLOCK_M hint is given (the CPU's float32 cases cannot show this)."""
-    import numpy as np
-
     from kernelcourse.grading import ch06
     from kernelcourse.grading.harness import HALF_POISON
 

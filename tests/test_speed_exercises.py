@@ -6,7 +6,6 @@ an H100: the matrix add with threads of a warp running down a column reached 22%
 (needs 60%), 04.4's RMSNorm kernel launched one row per program 29% of a copy (needs 60%; the solution
 101%), and 05.2's matmul with 32 x 32 x 32 tiles 0.17x cuBLAS (needs 0.5x; 128 x 256 x 64 tiles 0.89x).
 """
-import numpy as np
 import pytest
 import triton
 import triton.language as tl
