@@ -25,19 +25,30 @@ def test_a_part_that_ran_nothing_is_not_a_pass():
     assert not gpu_check.Part("unit tests", "test").ok
 
 
+CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def _mode(flags):
+    env = gpu_check.mode_env(gpu_check.parse_args(flags))
+    return {k: v for k, v in env.items() if k not in CACHES}, tuple(env.get(k) for k in CACHES)
+
+
 def test_pre_hopper_mode_sets_what_gpus_before_hopper_get():
-    env = gpu_check.mode_env(gpu_check.parse_args(["--pre-hopper", "--chapter", "06"]))
+    env, caches = _mode(["--pre-hopper", "--chapter", "06"])
     assert env == {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "8.0", "KC_MAX_SHARED_MEM": str(99 * 1024)}
-    env = gpu_check.mode_env(gpu_check.parse_args(["--pre-hopper", "--max-shared-mem", "65536"]))
+    env, caches_16k = _mode(["--pre-hopper", "--max-shared-mem", "65536"])
     assert env["KC_MAX_SHARED_MEM"] == "65536" and env["DISABLE_MMA_V3"] == "1"
-    assert gpu_check.mode_env(gpu_check.parse_args([])) == {}
-    assert gpu_check.mode_env(gpu_check.parse_args(["--max-shared-mem", "65536"])) == {"KC_MAX_SHARED_MEM": "65536"}
+    assert gpu_check.mode_env(gpu_check.parse_args([])) == {}  # the GPU as itself: the usual caches
+    assert _mode(["--max-shared-mem", "65536"])[0] == {"KC_MAX_SHARED_MEM": "65536"}
+    # each mode compiles into caches of its own: a graph traced under another mode's choices is not reused
+    others = {caches_16k, _mode(["--as-t4"])[1], _mode(["--max-shared-mem", "65536"])[1]}
+    assert all(caches) and caches not in others and len(others) == 3
 
 
 def test_t4_mode_sets_a_t4_s_capability_and_shared_memory(capsys):
     import pytest
 
-    env = gpu_check.mode_env(gpu_check.parse_args(["--as-t4"]))
+    env, _ = _mode(["--as-t4"])
     assert env == {"DISABLE_MMA_V3": "1", "KC_MAX_CAPABILITY": "7.5", "KC_MAX_SHARED_MEM": "65536"}
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--as-t4", "--pre-hopper"])
@@ -266,3 +277,29 @@ def test_processes_that_share_a_machine_each_get_their_share_of_the_cores(monkey
     env = gpu_check.child_env("1", sharing=2)
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["OMP_NUM_THREADS"] == env["TORCHINDUCTOR_COMPILE_THREADS"] == "16"
     assert "OMP_NUM_THREADS" not in gpu_check.child_env()
+
+
+def test_under_emulation_a_declined_library_ratio_is_a_skip_and_any_other_not_graded_row_a_failure(monkeypatch):
+    import json
+    import subprocess
+
+    from kernelcourse.world import pre_hopper_emulation
+
+    held_back = pre_hopper_emulation((9, 0))
+    assert held_back is None or gpu_check.EMULATED in held_back  # None: DISABLE_MMA_V3 is not set here
+    monkeypatch.setenv("DISABLE_MMA_V3", "1")
+    reason = pre_hopper_emulation((9, 0))
+    assert reason and gpu_check.EMULATED in reason  # the words gpu_check looks for are the grader's
+    rows = [{"notebook": "07", "exercise": "07.5", "passed": True, "not_graded": True,
+             "message": f"5 checks passed; not graded here: dK/dV: 0.43x the speed of SDPA, not graded here: {reason}"},
+            {"notebook": "05", "exercise": "05.4", "passed": True, "not_graded": True,
+             "message": "4 checks passed; not graded here: speed needs a GPU (not graded here)"}]
+    out = subprocess.CompletedProcess([], 0, stdout=json.dumps({"rows": rows}), stderr="")
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: out)
+    part = gpu_check.Part("grade report: solutions pass", "exercise")
+    gpu_check.run_grade(part, [], expect_pass=True, env={})
+    assert (part.ran, part.passed, part.skipped, part.failed) == (2, 0, 1, 1)
+    assert part.failures[0].startswith("05 05.4: not graded on this GPU")
+    stubs = gpu_check.Part("grade report: stubs fail", "exercise")
+    gpu_check.run_grade(stubs, [], expect_pass=False, env={})
+    assert stubs.failed == 2  # a stub that only went ungraded did not fail its grader
