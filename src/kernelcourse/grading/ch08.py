@@ -15,7 +15,7 @@ from ..world import low_precision_dtype, world
 from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, fresh_rng, number, speed_vs_peer
 from .harness import (NAN, PAD, STUB, USUAL_EPS, data_mask, diagnose, draw_eps, exact, framed, host, in_float32,
                       launch, not_a_kernel, nothing_written, outside_writes, own_eps_hint, rand, rounding_floor, sizes,
-                      speed_vs_peers, tolerance)
+                      speed_vs_peers, tolerance, unwritten_as_nan)
 
 EPS = 1e-5
 
@@ -606,12 +606,15 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             ref_loss.backward()
             ref_grad = host(ref_x.grad.to(logits.dtype))
             made = _LargeTensors(rows * V)
-            if counted:  # the count slows the interpreter down: the first call is enough to see how it works
-                got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
-            else:
-                with made:
+            # the gradient and the per-row losses the launcher allocates start as NaN, not as what memory held (on a
+            # GPU, the right values a previous case or run left there): a row the kernel never stores shows
+            with unwritten_as_nan():
+                if counted:  # the count slows the interpreter down: the first call is enough to see how it works
                     got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
-                counted = True
+                else:
+                    with made:
+                        got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
+                    counted = True
             got = as_tuple(report, what, got, 2)
             if got is None:
                 return
