@@ -689,7 +689,6 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                      "(softmax(x) - onehot(target)) / n_valid", grad64 * n_valid),
                     ("divide the gradient by the number of rows not ignored, not by the number of rows",
                      grad64 * n_valid / count_all),
-                    ("an ignored row gets no gradient: store zeros in its row", None),
                     ("the last chunk of the row runs past the vocabulary: mask it (cols < n_cols, other=-inf for "
                      "the max and the sum) so that no value past the row gets into the log-sum-exp",
                      (g_unmasked / max(n_valid, 1)) if pad_cols else None),
