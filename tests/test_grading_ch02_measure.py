@@ -167,6 +167,47 @@ def test_02_3_rejects_wrong(fn, hint):
     assert hint in text, text
 
 
+def _served_at(cut_off):
+    """served_from_l2 that keeps a cut-off of its own and ignores the factor it is passed."""
+    return lambda rows, factor=1.5: served_from_l2(rows, cut_off)
+
+
+def served_from_l2_times(rows, factor=1.5):
+    # the same reading with the factor on the other side: hot time x factor at most the flushed time
+    times = {}
+    for r in rows:
+        times.setdefault(r["op"], {})["hot" if r["method"].startswith("hot") else "flushed"] = r["ms"]
+    return [op for op, t in times.items() if t["hot"] * factor <= t["flushed"]]
+
+
+def test_02_3_accepts_correct_on_every_drawn_case(monkeypatch):
+    for fn in (served_from_l2, served_from_l2_bandwidth, served_from_l2_times):
+        for passed, text in _on_every_seed(monkeypatch, "02.3", served_from_l2=fn):
+            assert passed and text.count("drawn for this run") == 2, text
+
+
+def test_02_3_rejects_a_table_of_the_printed_answers(monkeypatch):
+    # right on the recorded rows and on those with a larger L2, both at factor 1.5; the drawn times tell
+    line = _rejected_on_a_drawn_case(monkeypatch, "02.3", 2, served_from_l2=_printed_answers(served_from_l2, 2))
+    assert "misjudged: add" in line and "x faster hot than flushed" in line, line
+
+
+@pytest.mark.parametrize("cut_off", [1.5, 2.0, 1.2, 2.5])
+def test_02_3_rejects_a_function_that_ignores_factor_on_every_seed(cut_off, monkeypatch):
+    # the recorded speed-ups are 1.0, 1.1, 2.8 and 2.9, so any cut-off in between passed them; the drawn factors,
+    # one below 2 and one above, with speed-ups 0.5-3% either side of each, leave none
+    for passed, text in _on_every_seed(monkeypatch, "02.3", served_from_l2=_served_at(cut_off)):
+        assert not passed and "(L2 rows with times drawn for this run, factor=" in text, text
+        assert "misjudged: add" in text and ("so served" in text or "so not served" in text), text
+
+
+def test_02_3_names_the_ignored_factor(monkeypatch):
+    # at factor 1.5 the statement's example and the drawn factor part on a row between them
+    hinted = [text for passed, text in _on_every_seed(monkeypatch, "02.3", served_from_l2=_served_at(1.5))
+              if "that is what factor=1.5 (the statement's example) selects" in text]
+    assert hinted, "no seed named the factor 1.5"
+
+
 # ---- 02.4 which operations are far below their roof ------------------------------------------------------
 
 

@@ -441,6 +441,7 @@ def grade_impossible_timings(report: Report, impossible_timings):
 
 @exercise("02.3", "where the L2 cache stops helping", names=("served_from_l2",), time_limit_s=20)
 def grade_served_from_l2(report: Report, served_from_l2):
+    rng = fresh_rng(report)
     rows = [r for r in _recorded("02_timing") if r.get("part") == "L2"]
     ops = sorted({r["op"] for r in rows}, key=lambda op: next(r["nbytes"] for r in rows if r["op"] == op))
     bw, _ = _recorded_ceilings()
@@ -455,21 +456,60 @@ def grade_served_from_l2(report: Report, served_from_l2):
     for r in bigger_l2:
         if r["op"] == ops[-1] and r["method"].startswith("hot"):
             r["ms"] /= 3
-    for label, data in (("recorded", rows), ("with a larger L2", bigger_l2)):
-        what = f"served_from_l2({label} L2 rows, factor=1.5)"
-        got = _names(report, what, "op names (the rows' 'op')", served_from_l2, [dict(r) for r in data], 1.5)
-        want = [op for op in ops if speedup(op, data) >= 1.5]
+    cases = [("recorded L2 rows", rows, 1.5, False),
+             ("L2 rows as on a GPU with a larger L2", bigger_l2, 1.5, False)]  # (rows, factor, drawn?)
+
+    def drawn(low, high):
+        """The rows with times drawn for a factor drawn in [low, high]: the flushed times scaled (another GPU),
+        the hot ones to speed-ups that fall with size, as on a GPU whose L2 holds the k smallest sizes (k drawn),
+        the k-th just above the factor, the next just below it."""
+        factor = round(float(rng.uniform(low, high)), 2)
+        k = int(rng.integers(1, len(ops)))
+        served = sorted((factor * float(rng.uniform(1.25, 3.0)) for _ in range(k - 1)), reverse=True)
+        missed = sorted((float(rng.uniform(0.9, factor / 1.25)) for _ in range(len(ops) - k - 1)), reverse=True)
+        by_op = dict(zip(ops, served + [_near(rng, factor, 1), _near(rng, factor, -1)] + missed))
+        scale = float(rng.uniform(0.5, 2.0))
+        flushed = {r["op"]: r["ms"] * scale for r in rows if r["method"].startswith("do_bench")}
+        data = [{**r, "ms": flushed[r["op"]] / (1.0 if r["method"].startswith("do_bench") else by_op[r["op"]])}
+                for r in rows]
+        return "L2 rows with times drawn for this run", data, factor, True
+
+    # one factor below 2 and one above: a function that ignores its factor, whatever cut-off it keeps
+    # instead, lies outside the 0.5-3% either side of at least one of them
+    cases += [drawn(1.15, 1.9), drawn(2.1, 4.0)]
+    for label, data, factor, drawn_case in cases:
+        what = f"served_from_l2({label}, factor={factor:g})"
+        got = _names(report, what, "op names (the rows' 'op')", served_from_l2, [dict(r) for r in data], factor)
+        if any(isinstance(n, dict) for n in got):
+            return report.fail(f"{what} returned {_short(got)}: return the op names (each row's 'op'), not the rows")
+        want = [op for op in ops if speedup(op, data) >= factor]
         mistakes = [
-            ([op for op in ops if 1 / speedup(op, data) >= 1.5], "inverted: the speed-up is the flushed time "
-                                                                 "divided by the hot time"),
+            ([op for op in ops if speedup(op, data) >= 1.5], f"that is what factor=1.5 (the statement's example) "
+                                                            f"selects, and this call passed factor={factor:g}: did "
+                                                            "you compare with the argument?"),
+            # inverted, the drawn rows (no hot loop slower than flushed by the factor) select nothing: an
+            # empty answer there is a wrong cut-off, and an inverted reading fails on the recorded rows first
+            ([op for op in ops if 1 / speedup(op, data) >= factor] if not drawn_case else want,
+             "inverted: the speed-up is the flushed time divided by the hot time"),
             ([op for op in ops if any(r["op"] == op and r["method"].startswith("hot")
                                       and r["nbytes"] / (r["ms"] * 1e-3) / 1e9 > bw for r in data)],
              "you compared the hot loop with the HBM bandwidth; the question compares the two timings of each size"),
             (ops, "compare each size's hot and flushed times: only some sizes get the factor"),
         ]
-        describe = lambda names: "[" + ", ".join(f"{n} ({speedup(n, data):.2f}x)" if n in ops else repr(n)
-                                                 for n in names) + "]"
-        if not _grade_selection(report, what, got, want, describe, mistakes):
+
+        def describe(names, data=data):
+            return "[" + ", ".join(f"{n} ({speedup(n, data):.3f}x)" if n in ops else _short(n) for n in names) + "]"
+
+        def judge(op, data=data, factor=factor):
+            if op not in ops:
+                return f"{_short(op)} is not the op of any of these rows"
+            s = speedup(op, data)
+            return (f"{op} runs {s:.3f}x faster hot than flushed, " + (
+                f"at least factor={factor:g}, so served" if s >= factor else f"below factor={factor:g}, so not served"))
+
+        if not _grade_selection(report, what, got, want, describe, mistakes, judge,
+                                "keep the ops whose flushed time ÷ hot time is at least factor, the argument "
+                                "(a speed-up equal to it counts)"):
             return
 
 
