@@ -240,3 +240,38 @@ def test_02_4_rejects_wrong(fn, hint):
     passed, text = grade("02.4", below_half_roof=fn)
     assert not passed
     assert hint in text, text
+
+
+def test_02_4_accepts_correct_on_every_drawn_case(monkeypatch):
+    for fn in (below_half_roof, below_half_roof_time):
+        for passed, text in _on_every_seed(monkeypatch, "02.4", below_half_roof=fn):
+            assert passed and text.count("drawn for this run") >= 2, text
+
+
+def test_02_4_rejects_a_table_of_the_printed_answers(monkeypatch):
+    # right on the recorded rows under the recorded and the T4 ceilings; the drawn times tell
+    line = _rejected_on_a_drawn_case(monkeypatch, "02.4", 2, below_half_roof=_printed_answers(below_half_roof, 2))
+    assert "misjudged: " in line and "% of its roof" in line, line
+
+
+@pytest.mark.parametrize("cut_off", [0.45, 0.6, 0.43, 0.63])
+def test_02_4_rejects_another_fraction_on_every_seed(cut_off, monkeypatch):
+    # the recorded rows have no op between 42% and 64% of its roof: the drawn rows at 0.5-3% either side of half
+    # tell these cut-offs from the statement's
+    def wrong(rows, bw, peak):
+        return [r["op"] for r in rows if _x_roof(r, bw, peak) < cut_off]
+    for passed, text in _on_every_seed(monkeypatch, "02.4", below_half_roof=wrong):
+        assert not passed and "[ceilings drawn for this run] returned" in text, text
+        side = "of its roof, below half" if cut_off < 0.5 else "of its roof, not below half"
+        assert side in text, text
+
+
+def test_selections_name_a_duplicate(monkeypatch):
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    passed, text = grade("02.4", below_half_roof=lambda rows, bw, peak: below_half_roof(rows, bw, peak) * 2)
+    assert not passed and "list each one once" in text, text
+
+
+def test_02_4_rows_instead_of_names_are_explained():
+    passed, text = grade("02.4", below_half_roof=lambda rows, bw, peak: [r for r in rows if _x_roof(r, bw, peak) < .5])
+    assert not passed and "return the op names" in text, text

@@ -359,8 +359,8 @@ def _names(report: Report, what: str, kind: str, fn, *args) -> list:
     return list(got)
 
 
-def _grade_selection(report: Report, what: str, got: list, want: list, describe, mistakes, judge=None,
-                     fallback: str | None = None) -> bool:
+def _grade_selection(report: Report, what: str, got: list, want: list, describe, mistakes, judge,
+                     fallback: str) -> bool:
     """``got`` and ``want`` are lists compared as sets; ``mistakes`` lists (wrong answer, hint) pairs.
 
     On a mismatch the line says what was asked, what came back and what was expected, then each item the
@@ -372,13 +372,12 @@ def _grade_selection(report: Report, what: str, got: list, want: list, describe,
         return True
     hint = next((h for wrong, h in mistakes if key(got) == key(wrong) and key(wrong) != key(want)), fallback)
     line = f"{what} returned {describe(got)}, expected {describe(want)}"
-    if judge is not None:
-        given, wanted = set(map(str, got)), set(map(str, want))
-        said = [judge(i) for i in want if str(i) not in given] + [judge(i) for i in got if str(i) not in wanted]
-        if said:
-            line += "; misjudged: " + "; ".join(said if len(said) <= 4 else said[:4] + [f"{len(said) - 4} more"])
-        else:
-            hint = "list each one once"
+    given, wanted = set(map(str, got)), set(map(str, want))
+    said = [judge(i) for i in want if str(i) not in given] + [judge(i) for i in got if str(i) not in wanted]
+    if said:
+        line += "; misjudged: " + "; ".join(said if len(said) <= 4 else said[:4] + [f"{len(said) - 4} more"])
+    else:  # the same items, one of them more than once
+        hint = "list each one once"
     report.fail(line, hint)
     return False
 
@@ -515,11 +514,19 @@ def grade_served_from_l2(report: Report, served_from_l2):
 
 @exercise("02.4", "which ops are far below their roof?", names=("below_half_roof",), time_limit_s=20)
 def grade_below_half_roof(report: Report, below_half_roof):
-    rows = _recorded("02_ops")
-    bw, peak = _recorded_ceilings()
-    for label, (b, p) in (("the recorded GPU's ceilings", (bw, peak)), ("a T4's datasheet ceilings", _T4)):
-        what = f"below_half_roof(recorded 02_ops rows, {b:.0f}, {p:.1f})  [{label}]"
+    rng = fresh_rng(report)
+    recorded = _recorded("02_ops")
+    cases = [("recorded 02_ops rows", recorded, _recorded_ceilings(), "the recorded GPU's ceilings"),
+             ("recorded 02_ops rows", recorded, _T4, "a T4's datasheet ceilings")]
+    for _ in range(2):  # each with its own ceilings; rows at 47% and 53% of the roof, say, on both sides
+        b, p = _drawn_ceilings(rng)
+        cases.append(("02_ops rows with times drawn for this run", _rows_at_drawn_ratios(
+            rng, recorded, b, p, 0.5, ((0.05, 0.4), (0.6, 0.98))), (b, p), "ceilings drawn for this run"))
+    for rows_are, rows, (b, p), label in cases:
+        what = f"below_half_roof({rows_are}, {b:.6g}, {p:.6g})  [{label}]"
         got = _names(report, what, "op names", below_half_roof, [dict(r) for r in rows], b, p)
+        if any(isinstance(n, dict) for n in got):
+            return report.fail(f"{what} returned {_short(got)}: return the op names (each row's 'op'), not the rows")
         x = {r["op"]: _x_roof(r, b, p) for r in rows}
         want = [op for op, v in x.items() if v < 0.5]
         tflops = {r["op"]: r["flops"] / (r["ms"] * 1e-3) / 1e12 for r in rows}
@@ -531,6 +538,16 @@ def grade_below_half_roof(report: Report, below_half_roof):
                                                             "compute-bound op's roof is the peak"),
             ([op for op, v in x.items() if v > 0.5], "inverted: keep the ops that reach less than half their roof"),
         ]
-        describe = lambda names: "[" + ", ".join(f"{n} ({x[n]:.0%})" if n in x else repr(n) for n in names) + "]"
-        if not _grade_selection(report, what, got, want, describe, mistakes):
+
+        def describe(names, x=x):
+            return "[" + ", ".join(f"{n} ({x[n]:.1%})" if n in x else _short(n) for n in names) + "]"
+
+        def judge(op, x=x):
+            if op not in x:
+                return f"{_short(op)} is not the op of any of these rows"
+            return f"{op} reaches {x[op]:.1%} of its roof, " + ("below half" if x[op] < 0.5 else "not below half")
+
+        if not _grade_selection(report, what, got, want, describe, mistakes, judge,
+                                "keep the ops whose achieved TFLOP/s is below 0.5 × min(peak, intensity × "
+                                "bandwidth / 1000): half the roof, no other fraction"):
             return
