@@ -285,8 +285,8 @@ def grade_fraction(report: Report, fraction_of_roofline):
 # ---- 02.1, 02.3, 02.4: reading measurements -------------------------------------------------------------
 # The learner reads GPU timings that the course ships (src/kernelcourse/recorded/, measured by the chapter 02
 # lesson on a GPU), so these exercises grade the same way with or without a GPU. Each grader asks three ways:
-# about the recorded rows as the lesson shows them (they teach), about the same rows under another GPU's
-# ceilings (a T4's datasheet), and about rows derived from the recorded ones with their times scaled to
+# about the recorded rows as the lesson shows them (they teach), about the same rows on another GPU (a T4's
+# datasheet ceilings; for 02.3, an L2 that holds the largest size), and about rows derived from the recorded ones with their times scaled to
 # ratios drawn fresh on every run, under ceilings (or a factor) drawn too, so that no table of answers passes.
 # The statement prints the first two cases' arguments; the drawn ones it cannot.
 #
