@@ -328,12 +328,15 @@ def _returned_by_shape(fn, *args):  # with the ledger: leaves out tensors shaped
     return max(o.nbytes for r in led.rows if r.kind != "view" for o in r.outputs if o not in returned)
 
 
+VIEW_HINT = "a tensor returned through a view of it is returned"
+
+
 @pytest.mark.parametrize("fn, first", [(_returned_by_identity, "scores_transposed"),
                                        (_returned_by_shape, "scores_transposed"),
                                        (_returned_by_data_ptr, "qkv_keys")])
 def test_03_7_a_returned_view_returns_its_tensor(fn, first, monkeypatch):
     # every run has functions that return a view of their biggest tensor, so on every seed an answer
-    # that recognises only the returned tensor itself fails there
+    # that recognises only the returned tensor itself fails there, with the statement's rule
     monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
     for seed in range(8):
         monkeypatch.setenv("KC_GRADE_SEED", str(seed))
@@ -341,6 +344,7 @@ def test_03_7_a_returned_view_returns_its_tensor(fn, first, monkeypatch):
         assert not passed, text
         failing = [line for line in text.splitlines() if line.startswith("✘")]
         assert len(failing) == 1 and f"largest_intermediate_bytes({first}, ...) returned" in failing[0], text
+        assert ", expected " in failing[0] and VIEW_HINT in failing[0] and "fn returns a view of it" in failing[0], text
 
 
 @pytest.mark.parametrize("name", ["scores_transposed", "gram_flat", "qkv_keys"])
@@ -355,7 +359,8 @@ def test_03_7_each_view_is_caught(name, monkeypatch):
         monkeypatch.setenv("KC_GRADE_SEED", str(seed))
         passed, text = grade("03.7", largest_intermediate_bytes=mistaken_there)
         assert not passed, text
-        assert f"✘ largest_intermediate_bytes({name}, ...) returned" in text, text
+        assert f"✘ largest_intermediate_bytes({name}, ...) returned" in text and VIEW_HINT in text, text
+        assert "fn returns a view of it (f32[" in text, text
 
 
 def test_03_7_view_functions_return_views_of_their_biggest_tensor():

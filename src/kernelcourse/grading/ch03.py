@@ -402,10 +402,22 @@ def _grade_intermediate(report: Report, largest_intermediate_bytes, name, fn, ar
     if _close(got, want):
         report.ok(f"{what} = {want:,} bytes")
         return True
-    returned = [ledger.footprint(t) for t in ledger._tensors(led.outputs)]
+    outputs = ledger._tensors(led.outputs)
+    returned = [ledger.footprint(t) for t in outputs]
     given = [ledger.footprint(t) for t in ledger._tensors(args)]
     row_totals = [r.bytes_written for r in led.rows]
-    if any(_close(got, b) for b in returned) and got > want:
+    # tensors fn made and returns only through a view of them: same storage, another shape or stride
+    shapes = {ledger.TensorInfo.of(t) for t in outputs}
+    storages = {led._storage(t) for t in outputs}
+    viewed = [(info, led.rows[row].name) for row, info, storage in led._fresh
+              if storage in storages and info not in shapes]
+    through_view = next(((info, op) for info, op in viewed if _close(got, info.nbytes)), None)
+    if through_view is not None and got > want:
+        info, op = through_view
+        hint = (f"that is the {info} that {op} made, and fn returns a view of it "
+                f"({', '.join(str(ledger.TensorInfo.of(t)) for t in outputs)}): a tensor returned through "
+                "a view of it is returned, not an intermediate; a view shares its tensor's storage")
+    elif any(_close(got, b) for b in returned) and got > want:
         hint = "that tensor is what fn returns, not an intermediate: leave out the outputs"
     elif any(_close(got, b) for b in given):
         hint = ("that is the size of one of fn's inputs, or of a view of one: a view makes no tensor, and "
