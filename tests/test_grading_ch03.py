@@ -2,6 +2,8 @@
 different but correct answers are accepted."""
 from fractions import Fraction
 
+import numpy as np
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -291,6 +293,89 @@ def test_03_7_views_of_inputs_are_explained():
     passed, text = grade("03.7", largest_intermediate_bytes=biggest_view)
     assert not passed
     assert "a view makes no tensor" in text, text
+
+
+def _kept_and_returned(fn, args):
+    """Every tensor fn's ops make (views left out), and the tensors fn returns."""
+    kept = []
+
+    class Keep(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                kept.extend(t for t in tree_flatten(res)[0] if isinstance(t, torch.Tensor))
+            return res
+
+    with Keep():
+        out = fn(*args)
+    return kept, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+def _returned_by_identity(fn, *args):  # leaves out the returned tensor object, not what it is a view of
+    kept, out = _kept_and_returned(fn, args)
+    return max(t.untyped_storage().nbytes() for t in kept if not any(t is o for o in out))
+
+
+def _returned_by_data_ptr(fn, *args):  # the address of the first element: a slice at an offset has another
+    kept, out = _kept_and_returned(fn, args)
+    skip = {o.data_ptr() for o in out}
+    return max(t.untyped_storage().nbytes() for t in kept if t.data_ptr() not in skip)
+
+
+def _returned_by_shape(fn, *args):  # with the ledger: leaves out tensors shaped and strided as a returned one
+    led = kc.ledger.measure(fn, *args)
+    returned = {kc.ledger.TensorInfo.of(t) for t in tree_flatten(led.outputs)[0] if isinstance(t, torch.Tensor)}
+    return max(o.nbytes for r in led.rows if r.kind != "view" for o in r.outputs if o not in returned)
+
+
+VIEW_HINT = "a tensor returned through a view of it is returned"
+
+
+@pytest.mark.parametrize("fn, first", [(_returned_by_identity, "scores_transposed"),
+                                       (_returned_by_shape, "scores_transposed"),
+                                       (_returned_by_data_ptr, "qkv_keys")])
+def test_03_7_a_returned_view_returns_its_tensor(fn, first, monkeypatch):
+    # every run has functions that return a view of their biggest tensor, so on every seed an answer
+    # that recognises only the returned tensor itself fails there, with the statement's rule
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+    for seed in range(8):
+        monkeypatch.setenv("KC_GRADE_SEED", str(seed))
+        passed, text = grade("03.7", largest_intermediate_bytes=fn)
+        assert not passed, text
+        failing = [line for line in text.splitlines() if line.startswith("✘")]
+        assert len(failing) == 1 and f"largest_intermediate_bytes({first}, ...) returned" in failing[0], text
+        assert ", expected " in failing[0] and VIEW_HINT in failing[0] and "fn returns a view of it" in failing[0], text
+
+
+@pytest.mark.parametrize("name", ["scores_transposed", "gram_flat", "qkv_keys"])
+def test_03_7_each_view_is_caught(name, monkeypatch):
+    # the identity mistake on that function alone: a transpose, a flattening view, a slice at an offset
+    monkeypatch.setenv("KC_GRADE_IN_PROCESS", "1")
+
+    def mistaken_there(fn, *args):
+        return (_returned_by_identity if fn.__name__ == name else _largest_with_ledger)(fn, *args)
+
+    for seed in range(5):
+        monkeypatch.setenv("KC_GRADE_SEED", str(seed))
+        passed, text = grade("03.7", largest_intermediate_bytes=mistaken_there)
+        assert not passed, text
+        assert f"✘ largest_intermediate_bytes({name}, ...) returned" in text and VIEW_HINT in text, text
+        assert "fn returns a view of it (f32[" in text, text
+
+
+def test_03_7_view_functions_return_views_of_their_biggest_tensor():
+    # what the reference does with them: the base of the returned view is excluded, and it is the
+    # biggest tensor made, so ignoring the view gives a different, larger number
+    for seed in range(10):
+        functions = {name: (fn, args) for name, fn, args in ch03._hidden_functions(np.random.default_rng(seed))}
+        for name in ("scores_transposed", "gram_flat", "qkv_keys"):
+            fn, args = functions[name]
+            led = kc.ledger.measure(fn, *args)
+            out = led.outputs
+            assert out._base is not None and out.untyped_storage().nbytes() > 0
+            want = led.largest_intermediate().nbytes
+            assert _largest_by_hand(fn, *args) == want
+            assert _returned_by_identity(fn, *args) == out.untyped_storage().nbytes() > want
 
 
 def test_stubs_fail():

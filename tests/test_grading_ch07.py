@@ -3,7 +3,8 @@ different but correct answers are accepted. Kernels run in Triton's interpreter 
 
 The speed check of 07.5 runs only on a GPU, timed in the grader against SDPA's backward. A naive
 kernel it is meant to fail: one that forms the products with broadcasting and ``tl.sum`` instead of
-``tl.dot`` (``tl.sum(k[:, None, :] * q[None, :, :], 2)``), which keeps the tensor cores idle."""
+``tl.dot`` (``tl.sum(k[:, None, :] * q[None, :, :], 2)``), which keeps the tensor cores idle. The
+tests hold one, ``dkdv_kernel("tl_sum")``: correct on the CPU, failing that check on a GPU."""
 import math
 
 import pytest
@@ -378,6 +379,18 @@ BODIES = {
     # sm_scale written in, as 1/sqrt(HEAD_DIM), instead of the argument's qk_scale
     "own_scale": TRANSPOSED.replace("LSE_FACTOR", "1.4426950408889634").replace("DELTA", "- delta[None, :]")
                            .replace("* qk_scale", "* (1.4426950408889634 / HEAD_DIM ** 0.5)"),
+    # correct but wasteful: each product broadcast to a BLOCK_N x BLOCK_M x HEAD_DIM block and reduced with
+    # tl.sum, in float32, where tl.dot would use the tensor cores. On a GPU the block (64 x 32 x 64 floats at the
+    # timed launch: 1024 registers a thread) spills to local memory and every multiply-add is a scalar one
+    "tl_sum": """
+        qf, dof = q.to(tl.float32), do.to(tl.float32)
+        s_t = tl.sum(k.to(tl.float32)[:, None, :] * qf[None, :, :], 2)
+        p_t = tl.math.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+        dv += tl.sum(p_t[:, :, None] * dof[None, :, :], 1)
+        dp_t = tl.sum(v.to(tl.float32)[:, None, :] * dof[None, :, :], 2)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.sum(ds_t[:, :, None] * qf[None, :, :], 1)
+""",
 }
 # the kernel's slips outside the loop body's arithmetic: (placeholder, what the correct kernel has there, the slip)
 SLIPS = {
@@ -442,6 +455,32 @@ def test_07_5_rejects_unmasked_rows(tmp_path):
     passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("no_mask", tmp_path))
     assert not passed
     assert "mask=offs_m < N_Q" in text or "NaN" in text or "outside every tensor the kernel was given" in text, text
+
+
+def test_07_5_tl_sum_is_correct(tmp_path):
+    """The products as broadcast-multiply and tl.sum instead of tl.dot: right numbers (speed not graded here)."""
+    if kc.world().gpu:
+        pytest.skip("on a GPU the same kernel is graded on speed too: test_07_5_tl_sum_fails_the_speed_check")
+    passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("tl_sum", tmp_path))
+    assert passed, text
+    assert "dk and dv match" in text and "speed needs a GPU (not graded here)" in text, text
+
+
+SPEED_LINE = "your dK/dV kernel at (B·H, N, d) = (64, 4096, 64), fp16"
+
+
+def test_07_5_tl_sum_fails_the_speed_check(tmp_path):
+    """Right numbers, no tensor cores: every product a scalar multiply-add, on a block that spills. It passes
+    every correctness check and fails the speed check, whose line names the kernel, its ratio and 0.6x; the
+    course's kernel (tl.dot) passes it in the same process."""
+    if not kc.world().gpu:
+        pytest.skip("speed is graded only on a GPU (the interpreter's times say nothing about one)")
+    passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("tl_sum", tmp_path))
+    assert not passed, text
+    failing = [line for line in text.splitlines() if line.startswith("✘")]
+    assert len(failing) == 1 and SPEED_LINE in failing[0] and "needs at least 0.6x" in failing[0], text
+    passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("ok", tmp_path))
+    assert passed and SPEED_LINE in text, text  # timed, and not failed (under gpu_check --pre-hopper, maybe not graded)
 
 
 def test_07_5_rejects_a_plain_function():

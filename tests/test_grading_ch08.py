@@ -649,6 +649,8 @@ def ce_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, n_cols, stride_x, stri
     x_target = tl.load(x_row + target, mask=valid, other=0.0).to(tl.float32)
     if MISTAKE == "lse_first":  # correct too: log-sum-exp, then minus the target's logit (m + log d rounds at |m|)
         tl.store(loss_ptr + row, tl.where(valid, (m + tl.log(d)) - x_target, 0.0))
+    elif MISTAKE == "skip_ignored_loss" or MISTAKE == "skip_ignored_row":  # an ignored row's loss never stored
+        tl.store(loss_ptr + row, (m - x_target) + tl.log(d), mask=valid)
     else:
         tl.store(loss_ptr + row, tl.where(valid, (m - x_target) + tl.log(d), 0.0))
     scale = tl.where(valid, 1.0 / n_valid, 0.0)
@@ -659,6 +661,8 @@ def ce_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, n_cols, stride_x, stri
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp(x - m) / d
         g = tl.where(start + cols == target, p - 1.0, p) * scale
+        if MISTAKE == "skip_ignored_grad" or MISTAKE == "skip_ignored_row":  # an ignored row's gradient never stored
+            mask = mask & valid
         tl.store(g_row + start + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -701,6 +705,22 @@ def test_08_6_rejects_wrong(mistake, hint):
     passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher(mistake))
     assert not passed
     assert hint in text, text
+
+
+@pytest.mark.parametrize("mistake, hint, not_said", [
+    ("skip_ignored_grad", "all in the rows whose target is ignore_index: an ignored row gets no gradient, but its "
+                          "zeros must be stored", "loss nan"),
+    ("skip_ignored_loss", "store 0 as an ignored row's loss", "and zeros in its row of the gradient"),
+    ("skip_ignored_row", "store 0 as an ignored row's loss, and zeros in its row of the gradient", None),
+])
+def test_08_6_rejects_a_kernel_that_stores_nothing_in_ignored_rows(mistake, hint, not_said):
+    """The launcher allocates the gradient and the per-row losses with torch.empty: a kernel that skips an ignored
+    row leaves there whatever memory held, zeros as often as not (on a GPU, the right values an earlier grading of
+    the same inputs left). The grader makes them NaN, so the skip fails on every run, with the hint for it, not the
+    overflow's."""
+    passed, text = grade("08.6", cross_entropy_fwd_bwd=ce_launcher(mistake))
+    assert not passed and hint in text, text
+    assert "exp() overflows" not in text and (not_said is None or not_said not in text), text
 
 
 def test_08_6_rejects_a_step_of_its_own():

@@ -57,3 +57,20 @@ def test_poison_still_reads_as_never_written_in_each_dtype():
         half = truth.astype(np.float16)
         half[3] = np.float16(POISON)  # -inf: what framed() fills a float16 output with
     assert "never written" in compare(half, truth, what="t")[1]
+
+
+def test_unwritten_as_nan_fills_what_torch_empty_makes_and_restores_the_switches():
+    import warnings
+
+    from kernelcourse.grading.harness import unwritten_as_nan
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with unwritten_as_nan():
+            made = [torch.empty(5), torch.empty_like(torch.ones(3, 2)), torch.ones(2).new_empty(4)]
+            # what warn_only says of a nondeterministic op in learner code is the grader's switch, not theirs
+            warnings.warn("scatter_add does not have a deterministic implementation", UserWarning)
+    assert all(torch.isnan(t).all() for t in made)
+    assert not seen
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before

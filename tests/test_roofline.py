@@ -173,6 +173,60 @@ def test_ceilings_on_a_gpu_measure_once_then_cache(tmp_path, monkeypatch):
     assert len(probes) == 2 and fresh.bandwidth_gbps == 1002
     assert not (tmp_path / "recorded").exists()  # only KC_RECORD=1 writes the course's recorded file
 
+def _write(directory, name, gpu, bandwidth, command="python tools/stamp.py --record notebooks/05_tiled_matmul.ipynb"):
+    rows = [{"ceiling": "bandwidth", "value": bandwidth, "unit": "GB/s", "how": "copy"},
+            {"ceiling": "fp16", "value": 650.0, "unit": "TFLOP/s", "how": "mm"}]
+    prov = {"gpu": gpu, "date": "2026-01-03", "command": command, "versions": {"torch": "2.11", "triton": "3.6"}}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps({"provenance": prov, "rows": rows}))
+
+
+def test_on_the_cpu_a_lesson_s_points_get_the_roof_of_the_gpu_that_recorded_them(tmp_path, monkeypatch):
+    _cpu_world(monkeypatch)
+    _recorded(tmp_path, monkeypatch)                                   # lesson 02's: an H100's, 2900 GB/s
+    _write(tmp_path, "05_sweep", "NVIDIA H200", 0)                     # lesson 05 recorded on an H200...
+    _write(tmp_path, "05_ceilings", "NVIDIA H200", 4200.0)             # ...with the ceilings it drew there
+    _write(tmp_path, "06_versions", "NVIDIA H100 80GB HBM3", 0)        # lesson 06 on lesson 02's GPU, none of its own
+    monkeypatch.setattr(bench, "_last_shown", [])
+    assert roofline.ceilings(quiet=True).bandwidth_gbps == 2900       # nothing shown yet: lesson 02's
+    bench.measured_or_recorded("05_sweep", None)
+    c = roofline.ceilings(quiet=True)
+    assert c.gpu == "NVIDIA H200" and c.bandwidth_gbps == 4200 and "H200" in c.source
+    assert roofline.ceilings(quiet=True).bandwidth_gbps == 4200       # asked again: the same roof
+    bench.measured_or_recorded("06_versions", None)
+    assert roofline.ceilings(quiet=True).bandwidth_gbps == 2900
+    _write(tmp_path, "05_ceilings", "NVIDIA A100-SXM4-80GB", 1900.0)  # of another GPU than 05's results: not used
+    bench.measured_or_recorded("05_sweep", None)
+    assert roofline.ceilings(quiet=True).bandwidth_gbps == 2900
+
+
+def test_a_recording_run_of_a_later_lesson_keeps_the_ceilings_it_drew(tmp_path, monkeypatch):
+    gpu = World(True, "cuda", "NVIDIA Imaginary X1", (9, 0), {"torch": "t", "triton": "t"})
+    monkeypatch.setattr(roofline, "world", lambda: gpu)
+    monkeypatch.setattr(bench, "world", lambda: gpu)
+    monkeypatch.setattr(bench, "RECORDED_DIR", tmp_path / "recorded")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(roofline, "_fit_copy_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(roofline, "measure", lambda device, copy_bytes: [
+        {"ceiling": "bandwidth", "value": 1234.0, "unit": "GB/s", "how": ""},
+        {"ceiling": "fp16", "value": 100.0, "unit": "TFLOP/s", "how": ""}])
+    monkeypatch.setenv("KC_RECORD", "1")
+    monkeypatch.setenv("KC_RECORD_COMMAND", "python tools/stamp.py --record notebooks/05_tiled_matmul.ipynb")
+    monkeypatch.setenv("KC_RECORD_CHAPTER", "05")
+    roofline.ceilings(quiet=True)                                       # measured now
+    saved = bench.load("05_ceilings")
+    assert saved.provenance["gpu"] == gpu.name and saved.rows[0]["value"] == 1234.0
+    assert not bench.recorded_path("02_ceilings").exists()             # lesson 02's are lesson 02's run's to record
+    bench.recorded_path("05_ceilings").unlink()
+    monkeypatch.setenv("KC_RECORD_CHAPTER", "06")
+    roofline.ceilings(quiet=True)                                       # cached by lesson 05's run: recorded too
+    assert bench.load("06_ceilings").rows[0]["value"] == 1234.0
+    assert not bench.recorded_path("05_ceilings").exists()
+    monkeypatch.delenv("KC_RECORD")
+    monkeypatch.setenv("KC_RECORD_CHAPTER", "08")
+    roofline.ceilings(quiet=True)                                       # not a recording run: nothing written
+    assert not bench.recorded_path("08_ceilings").exists()
+
 # ---- the plot -----------------------------------------------------------------------------------------
 
 

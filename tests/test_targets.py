@@ -62,13 +62,24 @@ def test_a_speed_check_picks_a_peer_on_the_unit_its_kernel_runs_on(monkeypatch, 
     monkeypatch.setattr(T, "count_instructions", lambda ptx: counts)
     cublas = ("cuBLAS fp16 (torch.matmul)", lambda: "cublas", 0.5)
     sgemm = ("cuBLAS fp32 SGEMM", lambda: "sgemm", 0.4)
-    name, fn, at_least, why = T.speed_peer(_Compiled(), tensor_cores=cublas, cuda_cores=sgemm)
-    if unit == "fma":
+    name, fn, at_least, why = T.speed_peer(_Compiled(), tensor_cores=cublas, cuda_cores=sgemm, capability=(7, 5))
+    if unit == "fma":  # a T4: Triton has no tensor cores for tl.dot there
         assert (name, fn(), at_least) == ("cuBLAS fp32 SGEMM", "sgemm", 0.4)
         assert "CUDA cores" in why and "cuBLAS fp16" in why, why
-    else:
-        assert (name, fn(), at_least) == ("cuBLAS fp16 (torch.matmul)", "cublas", 0.5)
-        assert "tensor cores" in why and ("wgmma" if unit == "wgmma" else "mma.sync") in why, why
+    else:  # tensor cores on both sides: nothing to explain
+        assert (name, fn(), at_least, why) == ("cuBLAS fp16 (torch.matmul)", "cublas", 0.5, "")
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0)])
+def test_a_kernel_of_scalar_fma_where_tl_dot_has_tensor_cores_meets_the_usual_peer_and_is_told_why(
+        monkeypatch, capability):
+    """Products written as a multiply and tl.sum compile to FMA on any GPU: on one where Triton puts tl.dot on
+    tensor cores that is the learner's choice, not the compiler's, so the usual peer stays and the line says so."""
+    monkeypatch.setattr(T, "count_instructions", lambda ptx: {"fma": 4096, "mma": 0, "wgmma": 0})
+    name, fn, at_least, why = T.speed_peer(_Compiled(), tensor_cores=("SDPA", lambda: "sdpa", 0.6),
+                                           cuda_cores=("the course's kernel", lambda: "course", 0.6),
+                                           capability=capability)
+    assert (name, fn()) == ("SDPA", "sdpa") and "tl.dot" in why and "tl.sum" in why, why
 
 
 def test_a_kernel_never_compiled_keeps_the_usual_peer():

@@ -162,6 +162,15 @@ def records(name: str) -> bool:
     return not chapter or name.startswith(f"{chapter}_")
 
 
+_last_shown: list[Results] = []  # the recorded results measured_or_recorded showed last, on the CPU
+
+
+def last_shown() -> Results | None:
+    """The recorded results that ``measured_or_recorded`` showed last in this process (None on a GPU, or before
+    any): which GPU the numbers a reader without one is looking at came from."""
+    return _last_shown[-1] if _last_shown else None
+
+
 def measured_or_recorded(name: str, measure, schema: int | None = None) -> Results:
     """Measure now on a GPU (``measure()`` returns a list of dict rows), or load the recorded rows.
 
@@ -179,6 +188,7 @@ def measured_or_recorded(name: str, measure, schema: int | None = None) -> Resul
                   f"run this notebook on a GPU to see it.")
             return Results(name, [], {"gpu": None, "date": None}, recorded=True)
         results = load(name)
+        _last_shown[:] = [results]
         p = results.provenance
         v = p["versions"]
         print(f"No GPU here: these are results recorded on {p['gpu']} on {p['date']} "

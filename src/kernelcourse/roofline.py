@@ -3,7 +3,7 @@
 Chapter 02 introduces this module; later chapters use it to put their own kernels on the reader's
 roofline::
 
-    c = kc.roofline.ceilings()              # measured once on this GPU and cached; recorded H100 on CPU
+    c = kc.roofline.ceilings()              # measured once on this GPU and cached; recorded ones on the CPU
     p = kc.roofline.Point("my kernel", flops=2 * n, nbytes=12 * n, ms=0.25, dtype="fp32")
     kc.roofline.plot([p], c, dtype="fp32")
 
@@ -25,6 +25,7 @@ from . import bench
 from .world import world
 
 RECORDED = "02_ceilings"   # recorded ceilings (kernelcourse/recorded/02_ceilings.json), shown on the CPU
+LESSON_RECORDED = "{chapter}_ceilings"  # the ceilings a later lesson drew, recorded with its results
 DTYPES = ("fp32", "tf32", "fp16", "bf16")
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -252,12 +253,17 @@ def ceilings(refresh: bool = False, *, quiet: bool = False) -> Ceilings:
     measured now by the probe, which takes about ten seconds and then saves them in
     ``~/.cache/kernelcourse/`` for later chapters. Measuring goes through
     ``kc.bench.measured_or_recorded("02_ceilings", ...)``, so a recording run of the chapter 02 lesson
-    saves them as the course's recorded ceilings. On the CPU: the recorded ceilings (an H100).
+    saves them as the course's recorded ceilings; a recording run of a later lesson NN saves the ceilings it
+    drew as ``NN_ceilings`` (``_record_with_lesson``).
+
+    On the CPU: recorded ceilings, of the GPU that recorded the results shown last (``bench.last_shown``):
+    a lesson recorded on another GPU than lesson 02 draws its recorded points under that GPU's roof, not
+    lesson 02's. Lesson 02's when there are none of that GPU.
     """
     w = world()
     if not w.gpu:
         try:
-            res = bench.measured_or_recorded(RECORDED, None)
+            res = bench.measured_or_recorded(_recorded_for_what_is_shown(), None)
         except FileNotFoundError:
             raise FileNotFoundError(
                 "the ceilings probe needs a CUDA GPU, and no recorded ceilings are installed "
@@ -274,6 +280,7 @@ def ceilings(refresh: bool = False, *, quiet: bool = False) -> Ceilings:
         if not quiet:
             print(f"Ceilings of {w.name} measured on {cached['date']}, cached in {_shown(path)} "
                   "(kc.roofline.ceilings(refresh=True) measures again).")
+        _record_with_lesson(cached["rows"])
         return c
 
     if not quiet:
@@ -283,7 +290,30 @@ def ceilings(refresh: bool = False, *, quiet: bool = False) -> Ceilings:
     path.parent.mkdir(parents=True, exist_ok=True)
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     path.write_text(json.dumps({"gpu": w.name, "date": date, "versions": w.versions, "rows": res.rows}, indent=1))
+    _record_with_lesson(res.rows)
     return Ceilings.from_rows(w.name, res.rows, f"measured now on {w.name}")
+
+
+def _record_with_lesson(rows: list[dict]) -> None:
+    """In ``tools/stamp.py``'s recording run of lesson NN (not 02, which records ``02_ceilings`` itself), save
+    the ceilings the lesson drew as ``NN_ceilings``, beside its other recorded results."""
+    chapter = os.environ.get("KC_RECORD_CHAPTER")
+    name = LESSON_RECORDED.format(chapter=chapter)
+    if chapter and chapter != RECORDED[:2] and bench.records(name):
+        bench.save(bench.Results(name, rows, bench.provenance(), recorded=False))
+
+
+def _recorded_for_what_is_shown() -> str:
+    """On the CPU, which recorded ceilings to draw: those recorded with the lesson whose recorded results were
+    shown last, where they came from the same GPU; else lesson 02's."""
+    last = bench.last_shown()
+    if last is None or not re.fullmatch(r"\d\d_.*", last.name):
+        return RECORDED
+    own = LESSON_RECORDED.format(chapter=last.name[:2])
+    if own != RECORDED and bench.recorded_path(own).exists() and \
+            bench.load(own).provenance.get("gpu") == last.provenance.get("gpu"):
+        return own
+    return RECORDED
 
 
 _this_gpu = ceilings  # plot() takes a parameter named `ceilings`

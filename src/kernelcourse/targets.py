@@ -273,19 +273,32 @@ def unit_on_this_gpu(kernel_or_compiled) -> str | None:
 # ---- speed checks: a peer on the same kind of unit ------------------------------------------------
 
 
-def speed_peer(compiled, tensor_cores: tuple, cuda_cores: tuple) -> tuple:
+def speed_peer(compiled, tensor_cores: tuple, cuda_cores: tuple, capability: tuple[int, int] | None = None) -> tuple:
     """The peer a speed check times the learner's kernel against: ``(name, fn, at_least, why)``.
 
     ``compiled`` is what the learner's launch returned (or the kernel). ``tensor_cores`` and
     ``cuda_cores`` are ``(name, fn, at_least)``: the usual peer (cuBLAS, SDPA), which runs on tensor
     cores on every GPU the course supports, and a peer that runs on CUDA cores. Where Triton put the
-    learner's ``tl.dot`` on tensor cores (mma or wgmma), the first; where it did not (a T4), the second:
-    timing FMA against tensor cores would fail correct work for what the compiler did, not the learner.
+    learner's ``tl.dot`` on tensor cores (mma or wgmma), the first; where this GPU's Triton cannot (a T4,
+    compute capability below 8.0; ``capability`` is the GPU's, torch's by default), the second: timing FMA
+    against tensor cores would fail correct work for what the compiler did, not the learner. A kernel that
+    compiled to FMA alone on a GPU where tl.dot has tensor cores wrote its products some other way (a
+    multiply and tl.sum): the usual peer, and ``why`` says to use tl.dot.
+
+    ``why`` is what the speed line should say about the choice, or "" where there is nothing to say.
     """
     unit = unit_on_this_gpu(compiled)
     if unit in (None, "wgmma", "mma"):
         name, fn, at_least = tensor_cores
-        why = f"both on tensor cores here ({'wgmma' if unit == 'wgmma' else 'mma.sync'})" if unit else ""
+        return name, fn, at_least, ""
+    if capability is None:
+        import torch
+
+        capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    if capability is not None and capability >= (8, 0):
+        name, fn, at_least = tensor_cores
+        why = ("your kernel compiled to scalar FMA alone, on the CUDA cores, though Triton puts tl.dot on this "
+               "GPU's tensor cores: write each block product with tl.dot, not as a multiply and a tl.sum")
         return name, fn, at_least, why
     name, fn, at_least = cuda_cores
     why = ("on this GPU Triton compiles tl.dot to scalar FMA on the CUDA cores (it uses tensor cores from "

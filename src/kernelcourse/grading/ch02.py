@@ -284,11 +284,20 @@ def grade_fraction(report: Report, fraction_of_roofline):
 
 # ---- 02.1, 02.3, 02.4: reading measurements -------------------------------------------------------------
 # The learner reads GPU timings that the course ships (src/kernelcourse/recorded/, measured by the chapter 02
-# lesson on a GPU), so these exercises grade the same way with or without a GPU. The grader computes the true
-# reading from the same rows, and also asks for it under another GPU's datasheet ceilings (a T4's), so that an
-# answer copied from the lesson's table does not pass.
+# lesson on a GPU), so these exercises grade the same way with or without a GPU. Each grader asks three ways:
+# about the recorded rows as the lesson shows them (they teach), about the same rows on another GPU (a T4's
+# datasheet ceilings; for 02.3, an L2 that holds the largest size), and about rows derived from the recorded ones with their times scaled to
+# ratios drawn fresh on every run, under ceilings (or a factor) drawn too, so that no table of answers passes.
+# The statement prints the first two cases' arguments; the drawn ones it cannot.
+#
+# The drawn times place rows a little (0.5% to 3%) inside and outside the statement's boundary, on both sides
+# of the ridge, so that only the statement's cut-off gives the right reading: 1.08x and 1.12x the roof tell
+# "more than 1.1x" from 1.0x or 1.5x. The other rows sit well away from it. No row lies on a boundary, where
+# "more than" and "at least" part only by rounding, which the correct formulas (in TFLOP/s, in seconds, in
+# GB/s) do each their own way.
 
 _T4 = (320.0, 65.0)  # the T4 datasheet's bandwidth (GB/s) and fp16 tensor-core peak (TFLOP/s)
+_NEAR = (0.005, 0.03)  # how far from a boundary, relatively, the rows placed on either side of it lie
 
 
 def _recorded(name: str) -> list[dict]:
@@ -308,6 +317,38 @@ def _x_roof(row: dict, bandwidth_gbps: float, peak_tflops: float) -> float:
     return achieved / min(peak_tflops, row["flops"] / row["nbytes"] * bandwidth_gbps / 1e3)
 
 
+def _drawn_ceilings(rng) -> tuple[float, float]:
+    """The bandwidth (GB/s) and fp16 peak (TFLOP/s) of a GPU drawn at random, its ridge between 20 and 800
+    FLOP/B: the recorded 4096 and 8192 matmuls are then right of it, the elementwise ops left."""
+    while True:
+        bw, peak = float(round(rng.uniform(300, 5000))), round(float(rng.uniform(20, 1500)), 1)
+        if 20 <= peak * 1e3 / bw <= 800:
+            return bw, peak
+
+
+def _near(rng, boundary: float, side: int) -> float:
+    """A value a little below (``side`` -1) or above (+1) ``boundary``: 0.5% to 3% away, log-uniformly."""
+    return boundary * (1 + side * math.exp(rng.uniform(math.log(_NEAR[0]), math.log(_NEAR[1]))))
+
+
+def _rows_at_drawn_ratios(rng, rows: list[dict], bw: float, peak: float, boundary: float,
+                          away: tuple[tuple[float, float], ...]) -> list[dict]:
+    """``rows`` in their order with their times scaled so that each point sits at a drawn fraction of its roof
+    under these ceilings. Left of the ridge and right of it, one row lies just below ``boundary`` × the roof
+    and one just above; every other row at a ratio drawn from one of the ranges ``away`` (clear of it)."""
+    ridge = peak * 1e3 / bw
+    out = list(rows)
+    for left in (True, False):
+        side = [i for i, r in enumerate(rows) if (r["flops"] / r["nbytes"] < ridge) == left]
+        for k, i in enumerate(rng.permutation(side)):
+            if k < 2:
+                ratio = _near(rng, boundary, (-1, 1)[k])
+            else:
+                ratio = float(rng.uniform(*away[int(rng.integers(len(away)))]))
+            out[i] = {**rows[i], "ms": rows[i]["ms"] * _x_roof(rows[i], bw, peak) / ratio}
+    return out
+
+
 def _names(report: Report, what: str, kind: str, fn, *args) -> list:
     """What learner code returned, as a list of ``kind``; stops the exercise if it raised, returned None or
     returned something that is not a list."""
@@ -318,26 +359,51 @@ def _names(report: Report, what: str, kind: str, fn, *args) -> list:
     return list(got)
 
 
-def _grade_selection(report: Report, what: str, got: list, want: list, describe, mistakes) -> bool:
-    """``got`` and ``want`` are lists compared as sets; ``mistakes`` lists (wrong answer, hint) pairs."""
-    if sorted(map(str, got)) == sorted(map(str, want)):
+def _grade_selection(report: Report, what: str, got: list, want: list, describe, mistakes, judge,
+                     fallback: str) -> bool:
+    """``got`` and ``want`` are lists compared as sets; ``mistakes`` lists (wrong answer, hint) pairs.
+
+    On a mismatch the line says what was asked, what came back and what was expected, then each item the
+    answer misjudged with ``judge(item)`` (why it belongs in the answer or not: its ratio against the
+    boundary), then the hint of the known mistake the answer reproduces, else ``fallback``."""
+    key = lambda items: sorted(map(str, items))  # noqa: E731
+    if key(got) == key(want):
         report.ok(f"{what} = {describe(want)}")
         return True
-    hint = next((h for wrong, h in mistakes if sorted(map(str, got)) == sorted(map(str, wrong))
-                 and sorted(map(str, wrong)) != sorted(map(str, want))), None)
-    report.fail(f"{what} returned {describe(got)}, expected {describe(want)}", hint)
+    hint = next((h for wrong, h in mistakes if key(got) == key(wrong) and key(wrong) != key(want)), fallback)
+    line = f"{what} returned {describe(got)}, expected {describe(want)}"
+    given, wanted = set(map(str, got)), set(map(str, want))
+    said = [judge(i) for i in want if str(i) not in given] + [judge(i) for i in got if str(i) not in wanted]
+    if said:
+        line += "; misjudged: " + "; ".join(said if len(said) <= 4 else said[:4] + [f"{len(said) - 4} more"])
+    else:  # the same items, one of them more than once
+        hint = "list each one once"
+    report.fail(line, hint)
     return False
+
+
+def _short(item) -> str:
+    """``item`` as a learner returned it, cut short when long (a whole row instead of its index)."""
+    text = repr(item)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @exercise("02.1", "which timings are impossible?", names=("impossible_timings",), time_limit_s=20)
 def grade_impossible_timings(report: Report, impossible_timings):
-    rows = _recorded("02_timing")
-    bw, peak = _recorded_ceilings()
-    for label, (b, p) in (("the recorded GPU's ceilings", (bw, peak)), ("a T4's datasheet ceilings", _T4)):
-        what = f"impossible_timings(recorded 02_timing rows, {b:.0f}, {p:.1f})  [{label}]"
+    rng = fresh_rng(report)
+    recorded = _recorded("02_timing")
+    cases = [("recorded 02_timing rows", recorded, _recorded_ceilings(), "the recorded GPU's ceilings"),
+             ("recorded 02_timing rows", recorded, _T4, "a T4's datasheet ceilings")]
+    for _ in range(2):  # each with its own ceilings; rows at 1.08x and 1.12x the roof, say, on both sides
+        b, p = _drawn_ceilings(rng)
+        cases.append(("02_timing rows with times drawn for this run", _rows_at_drawn_ratios(
+            rng, recorded, b, p, 1.1, ((0.3, 0.9), (1.3, 20.0))), (b, p), "ceilings drawn for this run"))
+    for rows_are, rows, (b, p), label in cases:
+        what = f"impossible_timings({rows_are}, {b:.6g}, {p:.6g})  [{label}]"
         got = _names(report, what, "row indices", impossible_timings, [dict(r) for r in rows], b, p)
         if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in got):
-            return report.fail(f"{what} returned {got!r}: return the indices (ints) of the rows, not the rows")
+            return report.fail(f"{what} returned {_short(got)}: return the indices (ints) of the rows, not "
+                               "the rows")
         x = [_x_roof(r, b, p) for r in rows]
         want = [i for i, v in enumerate(x) if v > 1.1]
         compute_only = [i for i, r in enumerate(rows)
@@ -352,16 +418,29 @@ def grade_impossible_timings(report: Report, impossible_timings):
             ([i for i, v in enumerate(x) if v < 1 / 1.1], "inverted: a point is impossible when it is faster "
                                                           "than the roof allows, above it"),
         ]
-        def describe(idx):
-            named = [f"{i} ({rows[i]['op']}, {rows[i]['method']})" if isinstance(i, (int, np.integer))
-                     and 0 <= i < len(rows) else repr(i) for i in idx]
+
+        def row(i, rows=rows):
+            return rows[i] if 0 <= i < len(rows) else None
+
+        def describe(idx, rows=rows, x=x):
+            named = [f"{i} ({rows[i]['op']}, {rows[i]['method']}: {x[i]:.3f}x)" if row(i) else repr(i) for i in idx]
             return "[" + ", ".join(named if len(named) <= 4 else named[:3] + [f"... {len(named)} rows in all"]) + "]"
-        if not _grade_selection(report, what, got, want, describe, mistakes):
+
+        def judge(i, rows=rows, x=x):
+            if not row(i):
+                return f"{i!r} is not the index of one of these {len(rows)} rows"
+            return (f"row {i} ({rows[i]['op']}, {rows[i]['method']}) is at {x[i]:.3f}x its roof, "
+                    + ("more than 1.1x, so impossible" if x[i] > 1.1 else "not more than 1.1x, so possible"))
+
+        if not _grade_selection(report, what, got, want, describe, mistakes, judge,
+                                "a timing is impossible when its achieved TFLOP/s is more than 1.1 × "
+                                "min(peak, intensity × bandwidth / 1000): a margin of 10%, no more and no less"):
             return
 
 
 @exercise("02.3", "where the L2 cache stops helping", names=("served_from_l2",), time_limit_s=20)
 def grade_served_from_l2(report: Report, served_from_l2):
+    rng = fresh_rng(report)
     rows = [r for r in _recorded("02_timing") if r.get("part") == "L2"]
     ops = sorted({r["op"] for r in rows}, key=lambda op: next(r["nbytes"] for r in rows if r["op"] == op))
     bw, _ = _recorded_ceilings()
@@ -376,31 +455,78 @@ def grade_served_from_l2(report: Report, served_from_l2):
     for r in bigger_l2:
         if r["op"] == ops[-1] and r["method"].startswith("hot"):
             r["ms"] /= 3
-    for label, data in (("recorded", rows), ("with a larger L2", bigger_l2)):
-        what = f"served_from_l2({label} L2 rows, factor=1.5)"
-        got = _names(report, what, "op names (the rows' 'op')", served_from_l2, [dict(r) for r in data], 1.5)
-        want = [op for op in ops if speedup(op, data) >= 1.5]
+    cases = [("recorded L2 rows", rows, 1.5, False),
+             ("L2 rows as on a GPU with a larger L2", bigger_l2, 1.5, False)]  # (rows, factor, drawn?)
+
+    def drawn(low, high):
+        """The rows with times drawn for a factor drawn in [low, high]: the flushed times scaled (another GPU),
+        the hot ones to speed-ups that fall with size, as on a GPU whose L2 holds the k smallest sizes (k drawn),
+        the k-th just above the factor, the next just below it."""
+        factor = round(float(rng.uniform(low, high)), 2)
+        k = int(rng.integers(1, len(ops)))
+        served = sorted((factor * float(rng.uniform(1.25, 3.0)) for _ in range(k - 1)), reverse=True)
+        missed = sorted((float(rng.uniform(0.9, factor / 1.25)) for _ in range(len(ops) - k - 1)), reverse=True)
+        by_op = dict(zip(ops, served + [_near(rng, factor, 1), _near(rng, factor, -1)] + missed))
+        scale = float(rng.uniform(0.5, 2.0))
+        flushed = {r["op"]: r["ms"] * scale for r in rows if r["method"].startswith("do_bench")}
+        data = [{**r, "ms": flushed[r["op"]] / (1.0 if r["method"].startswith("do_bench") else by_op[r["op"]])}
+                for r in rows]
+        return "L2 rows with times drawn for this run", data, factor, True
+
+    # one factor below 2 and one above: a function that ignores its factor, whatever cut-off it keeps
+    # instead, lies outside the 0.5-3% either side of at least one of them
+    cases += [drawn(1.15, 1.9), drawn(2.1, 4.0)]
+    for label, data, factor, drawn_case in cases:
+        what = f"served_from_l2({label}, factor={factor:g})"
+        got = _names(report, what, "op names (the rows' 'op')", served_from_l2, [dict(r) for r in data], factor)
+        if any(isinstance(n, dict) for n in got):
+            return report.fail(f"{what} returned {_short(got)}: return the op names (each row's 'op'), not the rows")
+        want = [op for op in ops if speedup(op, data) >= factor]
         mistakes = [
-            ([op for op in ops if 1 / speedup(op, data) >= 1.5], "inverted: the speed-up is the flushed time "
-                                                                 "divided by the hot time"),
+            ([op for op in ops if speedup(op, data) >= 1.5], f"that is what factor=1.5 (the statement's example) "
+                                                            f"selects, and this call passed factor={factor:g}: did "
+                                                            "you compare with the argument?"),
+            # inverted, the drawn rows (no hot loop slower than flushed by the factor) select nothing: an
+            # empty answer there is a wrong cut-off, and an inverted reading fails on the recorded rows first
+            ([op for op in ops if 1 / speedup(op, data) >= factor] if not drawn_case else want,
+             "inverted: the speed-up is the flushed time divided by the hot time"),
             ([op for op in ops if any(r["op"] == op and r["method"].startswith("hot")
                                       and r["nbytes"] / (r["ms"] * 1e-3) / 1e9 > bw for r in data)],
              "you compared the hot loop with the HBM bandwidth; the question compares the two timings of each size"),
             (ops, "compare each size's hot and flushed times: only some sizes get the factor"),
         ]
-        describe = lambda names: "[" + ", ".join(f"{n} ({speedup(n, data):.2f}x)" if n in ops else repr(n)
-                                                 for n in names) + "]"
-        if not _grade_selection(report, what, got, want, describe, mistakes):
+
+        def describe(names, data=data):
+            return "[" + ", ".join(f"{n} ({speedup(n, data):.3f}x)" if n in ops else _short(n) for n in names) + "]"
+
+        def judge(op, data=data, factor=factor):
+            if op not in ops:
+                return f"{_short(op)} is not the op of any of these rows"
+            s = speedup(op, data)
+            return (f"{op} runs {s:.3f}x faster hot than flushed, " + (
+                f"at least factor={factor:g}, so served" if s >= factor else f"below factor={factor:g}, so not served"))
+
+        if not _grade_selection(report, what, got, want, describe, mistakes, judge,
+                                "keep the ops whose flushed time ÷ hot time is at least factor, the argument "
+                                "(a speed-up equal to it counts)"):
             return
 
 
 @exercise("02.4", "which ops are far below their roof?", names=("below_half_roof",), time_limit_s=20)
 def grade_below_half_roof(report: Report, below_half_roof):
-    rows = _recorded("02_ops")
-    bw, peak = _recorded_ceilings()
-    for label, (b, p) in (("the recorded GPU's ceilings", (bw, peak)), ("a T4's datasheet ceilings", _T4)):
-        what = f"below_half_roof(recorded 02_ops rows, {b:.0f}, {p:.1f})  [{label}]"
+    rng = fresh_rng(report)
+    recorded = _recorded("02_ops")
+    cases = [("recorded 02_ops rows", recorded, _recorded_ceilings(), "the recorded GPU's ceilings"),
+             ("recorded 02_ops rows", recorded, _T4, "a T4's datasheet ceilings")]
+    for _ in range(2):  # each with its own ceilings; rows at 47% and 53% of the roof, say, on both sides
+        b, p = _drawn_ceilings(rng)
+        cases.append(("02_ops rows with times drawn for this run", _rows_at_drawn_ratios(
+            rng, recorded, b, p, 0.5, ((0.05, 0.4), (0.6, 0.98))), (b, p), "ceilings drawn for this run"))
+    for rows_are, rows, (b, p), label in cases:
+        what = f"below_half_roof({rows_are}, {b:.6g}, {p:.6g})  [{label}]"
         got = _names(report, what, "op names", below_half_roof, [dict(r) for r in rows], b, p)
+        if any(isinstance(n, dict) for n in got):
+            return report.fail(f"{what} returned {_short(got)}: return the op names (each row's 'op'), not the rows")
         x = {r["op"]: _x_roof(r, b, p) for r in rows}
         want = [op for op, v in x.items() if v < 0.5]
         tflops = {r["op"]: r["flops"] / (r["ms"] * 1e-3) / 1e12 for r in rows}
@@ -412,6 +538,16 @@ def grade_below_half_roof(report: Report, below_half_roof):
                                                             "compute-bound op's roof is the peak"),
             ([op for op, v in x.items() if v > 0.5], "inverted: keep the ops that reach less than half their roof"),
         ]
-        describe = lambda names: "[" + ", ".join(f"{n} ({x[n]:.0%})" if n in x else repr(n) for n in names) + "]"
-        if not _grade_selection(report, what, got, want, describe, mistakes):
+
+        def describe(names, x=x):
+            return "[" + ", ".join(f"{n} ({x[n]:.1%})" if n in x else _short(n) for n in names) + "]"
+
+        def judge(op, x=x):
+            if op not in x:
+                return f"{_short(op)} is not the op of any of these rows"
+            return f"{op} reaches {x[op]:.1%} of its roof, " + ("below half" if x[op] < 0.5 else "not below half")
+
+        if not _grade_selection(report, what, got, want, describe, mistakes, judge,
+                                "keep the ops whose achieved TFLOP/s is below 0.5 × min(peak, intensity × "
+                                "bandwidth / 1000): half the roof, no other fraction"):
             return

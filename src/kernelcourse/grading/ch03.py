@@ -350,6 +350,21 @@ def _hidden_functions(rng=None):
         y = F.layer_norm(x, (x.shape[-1],), w, b)
         return y.sum(dim=0)
 
+    # Each of the next three returns a view of its biggest tensor, not the tensor itself: a tensor
+    # returned through a view of it is returned, so the answer is a smaller tensor made before it.
+    def scores_transposed(q, k):  # (n, d), (m, d): the (n, m) scores come back as an (m, n) transpose
+        s = (q * q.shape[-1] ** -0.5) @ k.t()
+        return s.t()
+
+    def gram_flat(x):  # (n, d): the (n, n) Gram matrix of the normalised rows, flattened by a view
+        xn = x / x.norm(dim=1, keepdim=True)
+        return (xn @ xn.t()).view(-1)
+
+    def qkv_keys(x, w):  # (n, e), (e, 3c): one projection to q, k and v side by side, k is a slice of it
+        qkv = F.silu(x) @ w
+        c = w.shape[1] // 3
+        return qkv[:, c:2 * c]
+
     b, h, t, d = size(1, 3), size(2, 4), size(48, 80), size(8, 24)
     rows, vocab = size(64, 128), size(400, 700)
     m, k = size(32, 64), size(16, 48)
@@ -361,6 +376,10 @@ def _hidden_functions(rng=None):
         ("mlp", mlp, (rand(m, k), rand(k, 4 * k), rand(4 * k, k))),
         ("transposed_head", transposed_head, (rand(size(150, 250), size(60, 120)),)),
         ("layer_norm_rows", layer_norm_rows, (rand(size(30, 50), 64), rand(64), rand(64))),
+        # drawn after the others, so that a seed draws the same shapes for those as before
+        ("scores_transposed", scores_transposed, (rand(size(40, 90), 16), rand(size(50, 120), 16))),
+        ("gram_flat", gram_flat, (rand(size(60, 120), size(8, 24)),)),
+        ("qkv_keys", qkv_keys, (rand(size(30, 60), 24), rand(24, 3 * size(40, 64)))),
     ]
 
 
@@ -383,10 +402,22 @@ def _grade_intermediate(report: Report, largest_intermediate_bytes, name, fn, ar
     if _close(got, want):
         report.ok(f"{what} = {want:,} bytes")
         return True
-    returned = [ledger.footprint(t) for t in ledger._tensors(led.outputs)]
+    outputs = ledger._tensors(led.outputs)
+    returned = [ledger.footprint(t) for t in outputs]
     given = [ledger.footprint(t) for t in ledger._tensors(args)]
     row_totals = [r.bytes_written for r in led.rows]
-    if any(_close(got, b) for b in returned) and got > want:
+    # tensors fn made and returns only through a view of them: same storage, another shape or stride
+    shapes = {ledger.TensorInfo.of(t) for t in outputs}
+    storages = {led._storage(t) for t in outputs}
+    viewed = [(info, led.rows[row].name) for row, info, storage in led._fresh
+              if storage in storages and info not in shapes]
+    through_view = next(((info, op) for info, op in viewed if _close(got, info.nbytes)), None)
+    if through_view is not None and got > want:
+        info, op = through_view
+        hint = (f"that is the {info} that {op} made, and fn returns a view of it "
+                f"({', '.join(str(ledger.TensorInfo.of(t)) for t in outputs)}): a tensor returned through "
+                "a view of it is returned, not an intermediate; a view shares its tensor's storage")
+    elif any(_close(got, b) for b in returned) and got > want:
         hint = "that tensor is what fn returns, not an intermediate: leave out the outputs"
     elif any(_close(got, b) for b in given):
         hint = ("that is the size of one of fn's inputs, or of a view of one: a view makes no tensor, and "

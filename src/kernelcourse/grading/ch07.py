@@ -515,7 +515,8 @@ def grade_dkdv_kernel(report: Report, attention_dkdv_kernel):
         # SDPA is PyTorch's own CUDA code: under gpu_check --pre-hopper on a Hopper GPU it is not held to
         # mma.sync as the learner's kernel is, and a shortfall against it is not graded (grading.speed)
         speed_vs_peer(report, what + (f" ({why})" if why and peer is course else ""), learner, peer, peer_name,
-                      at_least=at_least, library_peer=peer is not course)
+                      at_least=at_least, hint=why if why and peer is not course else None,
+                      library_peer=peer is not course)
     elif not gpu:
         report.not_graded("speed of your dK/dV kernel against SDPA's backward: speed needs a GPU (not graded here)")
 

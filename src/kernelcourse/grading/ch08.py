@@ -15,7 +15,7 @@ from ..world import low_precision_dtype, world
 from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, fresh_rng, number, speed_vs_peer
 from .harness import (NAN, PAD, STUB, USUAL_EPS, data_mask, diagnose, draw_eps, exact, framed, host, in_float32,
                       launch, not_a_kernel, nothing_written, outside_writes, own_eps_hint, rand, rounding_floor, sizes,
-                      speed_vs_peers, tolerance)
+                      speed_vs_peers, tolerance, unwritten_as_nan)
 
 EPS = 1e-5
 
@@ -606,12 +606,15 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             ref_loss.backward()
             ref_grad = host(ref_x.grad.to(logits.dtype))
             made = _LargeTensors(rows * V)
-            if counted:  # the count slows the interpreter down: the first call is enough to see how it works
-                got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
-            else:
-                with made:
+            # the gradient and the per-row losses the launcher allocates start as NaN, not as what memory held (on a
+            # GPU, the right values a previous case or run left there): a row the kernel never stores shows
+            with unwritten_as_nan():
+                if counted:  # the count slows the interpreter down: the first call is enough to see how it works
                     got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
-                counted = True
+                else:
+                    with made:
+                        got = call(report, what, cross_entropy_fwd_bwd, logits, tgt, ignore_index, BLOCK=block)
+                    counted = True
             got = as_tuple(report, what, got, 2)
             if got is None:
                 return
@@ -635,7 +638,13 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
             scale = max(abs(loss64), float(np.abs(lse64[valid]).max(initial=0.0)))
             tol = max(2 * abs(float(ref_loss) - loss64), 8 * float(np.finfo(np.float32).eps) * scale, 1e-6)
             if not math.isfinite(loss) or abs(loss - loss64) > tol:
-                if not math.isfinite(loss):
+                if not math.isfinite(loss) and _finite_in_rows(grad, valid, rows, V):
+                    hint = ("the rows not ignored have a finite gradient, so the NaN comes from an ignored row: its "
+                            "loss is 0, but that 0 must be stored, since torch.empty gives memory as it was, not zeros "
+                            "(the grader fills it with NaN): store 0 as an ignored row's loss")
+                    if not _finite_in_rows(grad, ~valid, rows, V):
+                        hint += ", and zeros in its row of the gradient"
+                elif not math.isfinite(loss):
                     hint = ("exp() overflows for logits near 1000: keep the running max m and a running sum of "
                             "exp(x - m), rescaled by exp(m_old - m_new) when the max grows")
                 elif math.isclose(loss, loss64 * n_valid / count_all, rel_tol=1e-3):
@@ -670,12 +679,16 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                 r = np.flatnonzero(valid)
                 g_unmasked[r, target[r]] -= 1.0
                 g_unmasked[~valid] = 0.0
-                hint = diagnose(g, [
+                hint = None
+                if _finite_in_rows(g, valid, rows, V) and not _finite_in_rows(g, ~valid, rows, V):
+                    hint = ("all in the rows whose target is ignore_index: an ignored row gets no gradient, but its "
+                            "zeros must be stored, since torch.empty_like(logits) gives memory as it was, not zeros "
+                            "(the grader fills it with NaN): store zeros in its row")
+                hint = hint or diagnose(g, [
                     ("the gradient of the mean is divided by the number of rows not ignored: "
                      "(softmax(x) - onehot(target)) / n_valid", grad64 * n_valid),
                     ("divide the gradient by the number of rows not ignored, not by the number of rows",
                      grad64 * n_valid / count_all),
-                    ("an ignored row gets no gradient: store zeros in its row", None),
                     ("the last chunk of the row runs past the vocabulary: mask it (cols < n_cols, other=-inf for "
                      "the max and the sum) so that no value past the row gets into the log-sum-exp",
                      (g_unmasked / max(n_valid, 1)) if pad_cols else None),
@@ -689,6 +702,20 @@ def grade_cross_entropy(report: Report, cross_entropy_fwd_bwd):
                     line += f": {hint}"
             if not report.expect(ok, line, line):
                 return
+
+
+def _finite_in_rows(grad, which: np.ndarray, rows: int, cols: int) -> bool:
+    """True when ``grad`` is a (rows, cols) gradient whose rows marked in ``which`` hold only finite values (08.6:
+    NaN in an ignored row alone is that row never stored, read from a buffer that unwritten_as_nan made NaN)."""
+    from .harness import to_numpy
+
+    if not hasattr(grad, "shape") or tuple(grad.shape) != (rows, cols):
+        return False
+    try:
+        g = np.asarray(to_numpy(grad), dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return bool(np.isfinite(g[which]).all())
 
 
 def _loss_of_first_columns(x, target, valid, block: int) -> float:

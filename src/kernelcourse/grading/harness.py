@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
@@ -362,7 +363,9 @@ def unwritten_as_nan():
     torch.use_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True
     try:
-        yield
+        with warnings.catch_warnings():  # the switch is the grader's: its warnings are not the learner's to read
+            warnings.filterwarnings("ignore", message=".*determinis", category=UserWarning)
+            yield
     finally:
         det.fill_uninitialized_memory = fill
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
