@@ -224,18 +224,7 @@ def _largest_with_ledger(fn, *args):
 
 def _largest_by_hand(fn, *args):
     """Without the ledger: keep every tensor an op makes, drop inputs, outputs and views."""
-    kept = []
-
-    class Keep(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            res = func(*args, **(kwargs or {}))
-            if not func.is_view:
-                kept.extend(t for t in tree_flatten(res)[0] if isinstance(t, torch.Tensor))
-            return res
-
-    with Keep():
-        out = fn(*args)
-    out = out if isinstance(out, tuple) else (out,)
+    kept, out = _kept_and_returned(fn, args)
     skip = {t.untyped_storage().data_ptr() for t in (*out, *args)}
     return max(t.untyped_storage().nbytes() for t in kept if t.untyped_storage().data_ptr() not in skip)
 

@@ -475,10 +475,19 @@ def test_07_5_tl_sum_fails_the_speed_check(tmp_path):
     course's kernel (tl.dot) passes it in the same process."""
     if not kc.world().gpu:
         pytest.skip("speed is graded only on a GPU (the interpreter's times say nothing about one)")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("below compute capability 8.0 tl.dot is FMA too: the peer is the course's kernel on CUDA cores, "
+                    "and a tl.sum kernel is no longer the wasteful one")
+    from kernelcourse.world import pre_hopper_emulation
+
     passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("tl_sum", tmp_path))
-    assert not passed, text
-    failing = [line for line in text.splitlines() if line.startswith("✘")]
-    assert len(failing) == 1 and SPEED_LINE in failing[0] and "needs at least 0.6x" in failing[0], text
+    if pre_hopper_emulation():  # gpu_check --pre-hopper: a shortfall against SDPA is declined, with why
+        assert "needs 0.6x), not graded here: DISABLE_MMA_V3" in text and "✘" not in text, text
+    else:
+        assert not passed, text
+        failing = [line for line in text.splitlines() if line.startswith("✘")]
+        assert len(failing) == 1 and SPEED_LINE in failing[0] and "needs at least 0.6x" in failing[0], text
+        assert "write each block product with tl.dot" in failing[0], text  # the peer stays SDPA, and why
     passed, text = grade("07.5", attention_dkdv_kernel=dkdv_kernel("ok", tmp_path))
     assert passed and SPEED_LINE in text, text  # timed, and not failed (under gpu_check --pre-hopper, maybe not graded)
 

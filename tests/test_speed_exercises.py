@@ -276,8 +276,13 @@ def test_05_4_needs_a_kernel():
 
 @needs_gpu
 def test_05_4_naive_tiles_fail_and_large_tiles_pass_on_speed():
+    from kernelcourse.world import pre_hopper_emulation
+
     passed, text = grade("05.4", matmul_kernel=mm_ok, matmul_config=NAIVE)
-    assert not passed and "needs at least 0.5x" in _speed_line(text), text
+    if pre_hopper_emulation():  # gpu_check --pre-hopper: a shortfall against cuBLAS is declined, with why
+        assert "needs 0.5x), not graded here: DISABLE_MMA_V3" in text, text
+    else:
+        assert not passed and "needs at least 0.5x" in _speed_line(text), text
     passed, text = grade("05.4", matmul_kernel=mm_ok, matmul_config=GOOD)
     assert passed, text
 

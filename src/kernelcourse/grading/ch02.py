@@ -349,6 +349,17 @@ def _rows_at_drawn_ratios(rng, rows: list[dict], bw: float, peak: float, boundar
     return out
 
 
+def _unlike_the_printed(draw, answer, printed: list, tries: int = 100):
+    """``draw()`` again until ``answer`` of the case it returns is none of the ``printed`` cases' answers: a
+    table of the answers the statement's own calls get must fail every drawn case, not most."""
+    seen = [sorted(map(str, answer(*case))) for case in printed]
+    for _ in range(tries):
+        case = draw()
+        if sorted(map(str, answer(*case))) not in seen:
+            return case
+    return case
+
+
 def _names(report: Report, what: str, kind: str, fn, *args) -> list:
     """What learner code returned, as a list of ``kind``; stops the exercise if it raised, returned None or
     returned something that is not a list."""
@@ -394,10 +405,15 @@ def grade_impossible_timings(report: Report, impossible_timings):
     recorded = _recorded("02_timing")
     cases = [("recorded 02_timing rows", recorded, _recorded_ceilings(), "the recorded GPU's ceilings"),
              ("recorded 02_timing rows", recorded, _T4, "a T4's datasheet ceilings")]
-    for _ in range(2):  # each with its own ceilings; rows at 1.08x and 1.12x the roof, say, on both sides
+    def draw():  # its own ceilings; rows at 1.08x and 1.12x the roof, say, on both sides of the ridge
         b, p = _drawn_ceilings(rng)
-        cases.append(("02_timing rows with times drawn for this run", _rows_at_drawn_ratios(
-            rng, recorded, b, p, 1.1, ((0.3, 0.9), (1.3, 20.0))), (b, p), "ceilings drawn for this run"))
+        return ("02_timing rows with times drawn for this run", _rows_at_drawn_ratios(
+            rng, recorded, b, p, 1.1, ((0.3, 0.9), (1.3, 20.0))), (b, p), "ceilings drawn for this run")
+
+    def impossible(_, rows, ceilings, __):
+        return [i for i, r in enumerate(rows) if _x_roof(r, *ceilings) > 1.1]
+
+    cases += [_unlike_the_printed(draw, impossible, cases[:2]) for _ in range(2)]
     for rows_are, rows, (b, p), label in cases:
         what = f"impossible_timings({rows_are}, {b:.6g}, {p:.6g})  [{label}]"
         got = _names(report, what, "row indices", impossible_timings, [dict(r) for r in rows], b, p)
@@ -475,7 +491,11 @@ def grade_served_from_l2(report: Report, served_from_l2):
 
     # one factor below 2 and one above: a function that ignores its factor, whatever cut-off it keeps
     # instead, lies outside the 0.5-3% either side of at least one of them
-    cases += [drawn(1.15, 1.9), drawn(2.1, 4.0)]
+    def served(_, data, factor, __):
+        return [op for op in ops if speedup(op, data) >= factor]
+
+    cases += [_unlike_the_printed(lambda: drawn(1.15, 1.9), served, cases[:2]),
+              _unlike_the_printed(lambda: drawn(2.1, 4.0), served, cases[:2])]
     for label, data, factor, drawn_case in cases:
         what = f"served_from_l2({label}, factor={factor:g})"
         got = _names(report, what, "op names (the rows' 'op')", served_from_l2, [dict(r) for r in data], factor)
@@ -518,10 +538,15 @@ def grade_below_half_roof(report: Report, below_half_roof):
     recorded = _recorded("02_ops")
     cases = [("recorded 02_ops rows", recorded, _recorded_ceilings(), "the recorded GPU's ceilings"),
              ("recorded 02_ops rows", recorded, _T4, "a T4's datasheet ceilings")]
-    for _ in range(2):  # each with its own ceilings; rows at 47% and 53% of the roof, say, on both sides
+    def draw():  # its own ceilings; rows at 47% and 53% of the roof, say, on both sides of the ridge
         b, p = _drawn_ceilings(rng)
-        cases.append(("02_ops rows with times drawn for this run", _rows_at_drawn_ratios(
-            rng, recorded, b, p, 0.5, ((0.05, 0.4), (0.6, 0.98))), (b, p), "ceilings drawn for this run"))
+        return ("02_ops rows with times drawn for this run", _rows_at_drawn_ratios(
+            rng, recorded, b, p, 0.5, ((0.05, 0.4), (0.6, 0.98))), (b, p), "ceilings drawn for this run")
+
+    def below_half(_, rows, ceilings, __):
+        return [r["op"] for r in rows if _x_roof(r, *ceilings) < 0.5]
+
+    cases += [_unlike_the_printed(draw, below_half, cases[:2]) for _ in range(2)]
     for rows_are, rows, (b, p), label in cases:
         what = f"below_half_roof({rows_are}, {b:.6g}, {p:.6g})  [{label}]"
         got = _names(report, what, "op names", below_half_roof, [dict(r) for r in rows], b, p)
