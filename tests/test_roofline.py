@@ -148,14 +148,20 @@ def test_ceilings_on_the_cpu_without_a_recording(tmp_path, monkeypatch):
         roofline.ceilings()
 
 
-def test_ceilings_on_a_gpu_measure_once_then_cache(tmp_path, monkeypatch):
+def _gpu_world(tmp_path, monkeypatch) -> World:
+    """An imaginary GPU, its recorded results and its ceilings' cache under tmp_path, a small copy to probe."""
     gpu = World(True, "cuda", "NVIDIA Imaginary X1", (9, 0), {"torch": "t", "triton": "t"})
     monkeypatch.setattr(roofline, "world", lambda: gpu)
     monkeypatch.setattr(bench, "world", lambda: gpu)
     monkeypatch.setattr(bench, "RECORDED_DIR", tmp_path / "recorded")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("KC_RECORD", raising=False)
     monkeypatch.setattr(roofline, "_fit_copy_bytes", lambda: 1 << 20)
+    return gpu
+
+
+def test_ceilings_on_a_gpu_measure_once_then_cache(tmp_path, monkeypatch):
+    gpu = _gpu_world(tmp_path, monkeypatch)
+    monkeypatch.delenv("KC_RECORD", raising=False)
     probes = []
 
     def fake_measure(device, copy_bytes):
@@ -201,12 +207,7 @@ def test_on_the_cpu_a_lesson_s_points_get_the_roof_of_the_gpu_that_recorded_them
 
 
 def test_a_recording_run_of_a_later_lesson_keeps_the_ceilings_it_drew(tmp_path, monkeypatch):
-    gpu = World(True, "cuda", "NVIDIA Imaginary X1", (9, 0), {"torch": "t", "triton": "t"})
-    monkeypatch.setattr(roofline, "world", lambda: gpu)
-    monkeypatch.setattr(bench, "world", lambda: gpu)
-    monkeypatch.setattr(bench, "RECORDED_DIR", tmp_path / "recorded")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(roofline, "_fit_copy_bytes", lambda: 1 << 20)
+    gpu = _gpu_world(tmp_path, monkeypatch)
     monkeypatch.setattr(roofline, "measure", lambda device, copy_bytes: [
         {"ceiling": "bandwidth", "value": 1234.0, "unit": "GB/s", "how": ""},
         {"ceiling": "fp16", "value": 100.0, "unit": "TFLOP/s", "how": ""}])

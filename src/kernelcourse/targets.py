@@ -25,6 +25,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .world import own_capability
+
 __all__ = ["Target", "COLAB_GPUS", "UNITS", "count_instructions", "unit_of_counts", "unit_of_ptx", "Lowering",
            "compile_for", "lowerings", "unit_on_this_gpu", "speed_peer", "target_for"]
 
@@ -291,10 +293,7 @@ def speed_peer(compiled, tensor_cores: tuple, cuda_cores: tuple, capability: tup
     if unit in (None, "wgmma", "mma"):
         name, fn, at_least = tensor_cores
         return name, fn, at_least, ""
-    if capability is None:
-        import torch
-
-        capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    capability = capability or own_capability()
     if capability is not None and capability >= (8, 0):
         name, fn, at_least = tensor_cores
         why = ("your kernel compiled to scalar FMA alone, on the CUDA cores, though Triton puts tl.dot on this "

@@ -315,6 +315,14 @@ def _env_capability() -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
+def own_capability(device=None) -> tuple[int, int] | None:
+    """The GPU's own compute capability, as torch reads it, whatever ``KC_MAX_CAPABILITY`` says (what Triton
+    compiles for); None without CUDA."""
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(device)) if torch.cuda.is_available() else None
+
+
 def device_capability(device=None) -> tuple[int, int]:
     """The GPU's compute capability as the course's choices should see it: torch's, or less where
     ``KC_MAX_CAPABILITY`` says so. ``tools/gpu_check.py --pre-hopper`` sets 8.0 (with Triton's
@@ -346,13 +354,8 @@ def pre_hopper_emulation(capability: tuple[int, int] | None = None) -> str | Non
     """
     if not _triton_flag("DISABLE_MMA_V3"):
         return None
-    if capability is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        capability = tuple(torch.cuda.get_device_capability())
-    if capability[0] != 9:
+    capability = capability or own_capability()
+    if capability is None or capability[0] != 9:
         return None
     return (f"DISABLE_MMA_V3 (gpu_check --pre-hopper or --as-t4) holds Triton's tl.dot to Ampere's mma.sync on "
             f"this Hopper GPU (compute capability {capability[0]}.{capability[1]}), while library code runs as "

@@ -14,8 +14,8 @@ import numpy as np
 from ..world import low_precision_dtype, world
 from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, fresh_rng, number, speed_vs_peer
 from .harness import (NAN, PAD, STUB, USUAL_EPS, data_mask, diagnose, draw_eps, exact, framed, host, in_float32,
-                      launch, not_a_kernel, nothing_written, outside_writes, own_eps_hint, rand, rounding_floor, sizes,
-                      speed_vs_peers, tolerance, unwritten_as_nan)
+                      launch, never_written, not_a_kernel, nothing_written, outside_writes, own_eps_hint, rand,
+                      rounding_floor, sizes, speed_vs_peers, tolerance, unwritten_as_nan)
 
 EPS = 1e-5
 
@@ -67,7 +67,7 @@ def _dx_mistakes(x, w, dy, block, eps=EPS):
 def columns_never_written(got: np.ndarray) -> int | None:
     """The first column from which on no element of any row was written (all hold the poison) while every
     element before it was: what a kernel leaves that covers fewer columns than the BLOCK it was launched with."""
-    unwritten = got == np.asarray(POISON, dtype=got.dtype)
+    unwritten = never_written(got)
     empty = unwritten.all(axis=0)
     if got.ndim != 2 or not empty.any():
         return None
@@ -380,7 +380,7 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
             floor = 8 * float(np.finfo(np.float32).eps) * (1 if key == "dx" else rows)
             ok, line = compare(g, truths[key], refs[key], what=f"{key}, {what}",
                                rtol_floor=max(floor, rounding_floor(g.dtype)) if g.dtype == np.float16 else floor)
-            unwritten = bool((g == np.asarray(POISON, dtype=g.dtype)).any())  # compare's line says so already
+            unwritten = bool(never_written(g).any())  # compare's line says so already
             if not ok and dtype == "fp16" and not unwritten:
                 line += (": these rows share a large offset, and in float16 their sums lose the digits x - mean "
                          "needs: convert what you load with .to(tl.float32) and compute in float32")

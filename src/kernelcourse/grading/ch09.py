@@ -66,14 +66,15 @@ def grade_operator(report: Report, softplus):
         ok, line = compare(got.detach().cpu().float().numpy(), truth, F.softplus(x).cpu().double().numpy(),
                            what=f"softplus(x), shape {shape}", rtol_floor=floor)
         if not ok:
-            right = np.isclose(got.detach().cpu().double().numpy(), truth, rtol=1e-4, atol=1e-6).reshape(-1)
+            g64 = got.detach().cpu().double().numpy()
+            right = np.isclose(g64, truth, rtol=1e-4, atol=1e-6).reshape(-1)
             first = int(np.argmin(right)) if not right.all() else 0
             n = right.size
             grid_hint = ("the last, partial block was never launched: the grid needs cdiv(n, BLOCK) programs, "
                          "(n + BLOCK - 1) // BLOCK, not n // BLOCK")
             if first > 0 and first % 32 == 0 and right[:first].all() and not right[first:].any():
                 line += f": the elements from index {first} on are wrong, those before right: {grid_hint}"
-            elif n < 32 and np.isnan(got.detach().cpu().double().numpy()).all():
+            elif n < 32 and np.isnan(g64).all():
                 # never written (NaN, unwritten_as_nan), and fewer elements than any block: n // BLOCK is 0
                 line += f": n = {n} is less than one block, so n // BLOCK is 0 programs and nothing ran: {grid_hint}"
         if not report.expect(ok, line, line):
