@@ -474,14 +474,15 @@ def sizes(cpu: list, gpu_extra: list) -> list:
     return cpu + (gpu_extra if world().gpu else [])
 
 
-def speed_vs_peers(report, what: str, fn, peer, peer_name: str, at_least: float, hint: str) -> bool | None:
+def speed_vs_peers(report, what: str, fn, peer, peer_name: str, at_least: float, hint: str,
+                   gpu_only: bool = False) -> bool | None:
     """``speed_vs_peer`` with ``hint`` after a failing line: what makes a correct kernel this slow
     (chapters 06 and 08 time the learner's kernel against the course's own, in the same run)."""
     before = len(report.lines)
     captured: list[str] = []
     sink, report.sink = report.sink, captured.append
     try:
-        verdict = speed_vs_peer(report, what, fn, peer, peer_name, at_least)
+        verdict = speed_vs_peer(report, what, fn, peer, peer_name, at_least, gpu_only=gpu_only)
     finally:
         report.sink = sink
     for i in range(before, len(report.lines)):

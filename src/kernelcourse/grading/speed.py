@@ -11,15 +11,16 @@ from .running import guarded
 
 
 
-def _median_ms(report: Report, what: str, fn) -> float | None:
-    """Median time of learner (or peer) code in ms on this GPU, or None after recording why it failed."""
+def _median_ms(report: Report, what: str, fn, gpu_only: bool = False) -> float | None:
+    """Median time of learner (or peer) code in ms on this GPU, or None after recording why it failed:
+    as a program calls it (``bench.do_bench``), or its kernels' time alone (``bench.gpu_time``)."""
     before = report.failures
-    ms = guarded(report, what, bench.do_bench, fn)
+    ms = guarded(report, what, bench.gpu_time if gpu_only else bench.do_bench, fn)
     return None if report.failures > before else ms
 
 
 def speed_vs_peer(report: Report, what: str, fn, peer, peer_name: str, at_least: float,
-                  hint: str | None = None, library_peer: bool = False) -> bool | None:
+                  hint: str | None = None, library_peer: bool = False, gpu_only: bool = False) -> bool | None:
     """Speed check on a GPU: ``fn()`` must run at least ``at_least`` times as fast as ``peer()``, both
     timed now, in this process (median of many runs). On the CPU the check is not graded. ``hint``
     follows a failing line: what makes a correct kernel this slow.
@@ -32,12 +33,17 @@ def speed_vs_peer(report: Report, what: str, fn, peer, peer_name: str, at_least:
     emulation only slows the learner's side). On an A100, an L4 or a T4 both sides run that GPU's own code,
     and the check is graded as ever; a peer that Triton compiles follows the flag too and is always graded.
 
+    ``gpu_only``: time the kernels that each call launches, on the GPU alone (``bench.gpu_time``: a CUDA
+    graph, no Python between them), where the check is about what a kernel does with memory and a launcher
+    of a few small launches and allocations would otherwise time the CPU: a second process on the machine
+    (another notebook, a compile) slows Python, never the kernels.
+
     Returns True or False when graded, None when not.
     """
     if not world().gpu:
         report.not_graded(f"{what}: speed needs a GPU (not graded here)")
         return None
-    ms, peer_ms = _median_ms(report, what, fn), _median_ms(report, peer_name, peer)
+    ms, peer_ms = _median_ms(report, what, fn, gpu_only), _median_ms(report, peer_name, peer, gpu_only)
     if ms is None or peer_ms is None:
         return False
     ratio = peer_ms / ms
