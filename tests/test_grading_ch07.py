@@ -466,6 +466,20 @@ def test_07_5_tl_sum_is_correct(tmp_path):
     assert "dk and dv match" in text and "speed needs a GPU (not graded here)" in text, text
 
 
+def test_07_5_tl_sum_compiles_to_scalar_products_on_hopper(tmp_path, monkeypatch):
+    """What the speed line's hint reads: compiled for an H100 (on any machine), the tl.sum kernel holds
+    thousands of scalar FMAs beside the few wgmma Triton made of some of its sums; the correct one, a
+    handful beside its tl.dot."""
+    from kernelcourse import targets
+
+    monkeypatch.syspath_prepend(str(tmp_path))  # in the CPU world the kernels compile in child processes
+    meta = dict(constexprs=dict(HEAD_DIM=64, BLOCK_M=32, BLOCK_N=64), num_warps=4, num_stages=2,
+                types={"sm_scale": "fp32", "lse_ptr": "*fp32", "delta_ptr": "*fp32"})
+    wasteful, ok = targets.lowerings([dict(kernel=dkdv_kernel(v, tmp_path), cc=90, **meta) for v in ("tl_sum", "ok")])
+    assert targets.scalar_products(wasteful.counts) and wasteful.counts["fma"] >= 1024, wasteful.counts
+    assert not targets.scalar_products(ok.counts) and ok.unit in ("wgmma", "mma"), ok.counts  # mma: DISABLE_MMA_V3
+
+
 SPEED_LINE = "your dK/dV kernel at (B·H, N, d) = (64, 4096, 64), fp16"
 
 

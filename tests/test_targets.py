@@ -82,6 +82,30 @@ def test_a_kernel_of_scalar_fma_where_tl_dot_has_tensor_cores_meets_the_usual_pe
     assert (name, fn()) == ("SDPA", "sdpa") and "tl.dot" in why and "tl.sum" in why, why
 
 
+@pytest.mark.parametrize("counts, capability", [({"fma": 2064, "mma": 0, "wgmma": 8}, (9, 0)),
+                                                ({"fma": 2064, "mma": 64, "wgmma": 0}, (8, 0))])
+def test_a_kernel_with_some_products_in_scalar_fma_is_told_to_use_tl_dot(monkeypatch, counts, capability):
+    """Triton turns some block products written as a multiply and tl.sum into tensor-core code and leaves the
+    others: 07.5's tl.sum kernel compiles to these counts (2,064 FMAs beside 8 wgmma on Hopper, 64 mma.sync on
+    Ampere) and ran 1,000 times slower than SDPA on an H200. The usual peer stays, and the line says why."""
+    monkeypatch.setattr(T, "count_instructions", lambda ptx: counts)
+    name, fn, at_least, why = T.speed_peer(_Compiled(), tensor_cores=("SDPA", lambda: "sdpa", 0.6),
+                                           cuda_cores=("the course's kernel", lambda: "course", 0.6),
+                                           capability=capability)
+    assert (name, fn()) == ("SDPA", "sdpa") and "2,064 scalar FMA" in why and "with tl.dot" in why, why
+
+
+@pytest.mark.parametrize("counts", [{"fma": 16, "mma": 0, "wgmma": 12}, {"fma": 32, "mma": 96, "wgmma": 0},
+                                    {"fma": 600, "mma": 0, "wgmma": 80}])
+def test_elementwise_fma_beside_tl_dot_says_nothing(monkeypatch, counts):
+    """The course's dK/dV kernels compile to 16 or 32 FMAs beside their tl.dot (Hopper, Ampere): an epilogue's
+    arithmetic, not a product. Nothing to explain on their speed line."""
+    monkeypatch.setattr(T, "count_instructions", lambda ptx: counts)
+    assert not T.scalar_products(counts)
+    assert T.speed_peer(_Compiled(), tensor_cores=("SDPA", None, 0.6), cuda_cores=("v1", None, 0.6),
+                        capability=(9, 0))[3] == ""
+
+
 def test_a_kernel_never_compiled_keeps_the_usual_peer():
     """In the interpreter nothing is compiled: the usual peer (and the check is not graded there anyway)."""
     name, *_ = T.speed_peer(object(), tensor_cores=("SDPA", None, 0.6), cuda_cores=("v1", None, 0.6))

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from .world import own_capability
 
 __all__ = ["Target", "COLAB_GPUS", "UNITS", "count_instructions", "unit_of_counts", "unit_of_ptx", "Lowering",
-           "compile_for", "lowerings", "unit_on_this_gpu", "speed_peer", "target_for"]
+           "compile_for", "lowerings", "counts_on_this_gpu", "unit_on_this_gpu", "scalar_products", "speed_peer",
+           "target_for"]
 
 
 @dataclass(frozen=True)
@@ -254,13 +255,10 @@ def _ptx_of(compiled) -> str | None:
     return asm.get("ptx") if isinstance(asm, dict) else None
 
 
-def unit_on_this_gpu(kernel_or_compiled) -> str | None:
-    """The unit ``tl.dot`` ran on in a kernel compiled on this GPU: "wgmma", "mma" or "fma".
-
-    Pass what a launch returned (``compiled = kernel[grid](...)``: Triton returns the compiled kernel) or
-    the kernel itself, whose most recently compiled variant is read. None when nothing was compiled (in
-    Triton's interpreter, say).
-    """
+def counts_on_this_gpu(kernel_or_compiled) -> dict[str, int] | None:
+    """``count_instructions`` of a kernel compiled on this GPU: pass what a launch returned (``compiled =
+    kernel[grid](...)``: Triton returns the compiled kernel) or the kernel itself, whose most recently
+    compiled variant is read. None when nothing was compiled (in Triton's interpreter, say)."""
     ptx = _ptx_of(kernel_or_compiled)
     if ptx is None:
         fn = _jit_function(kernel_or_compiled)
@@ -269,7 +267,30 @@ def unit_on_this_gpu(kernel_or_compiled) -> str | None:
             if kernels:
                 ptx = _ptx_of(kernels[-1])
                 break
-    return None if ptx is None else unit_of_ptx(ptx)
+    return None if ptx is None else count_instructions(ptx)
+
+
+def unit_on_this_gpu(kernel_or_compiled) -> str | None:
+    """The unit ``tl.dot`` ran on in a kernel compiled on this GPU: "wgmma", "mma" or "fma"; None when
+    nothing was compiled (``counts_on_this_gpu``)."""
+    counts = counts_on_this_gpu(kernel_or_compiled)
+    return None if counts is None else unit_of_counts(counts)
+
+
+# A block product written as a multiply and a tl.sum costs each thread BLOCK_M * BLOCK_N * K / threads scalar
+# FMAs (1,024 for 32 x 64 x 64 on 128 threads): far more than the elementwise arithmetic around tl.dot
+# (16 in the course's dK/dV kernel). Triton rewrites some such sums into tensor-core instructions and leaves
+# the others, so a kernel can hold both; one with this many FMAs per tensor-core instruction did products
+# on the CUDA cores.
+SCALAR_PRODUCT_FMAS = 512
+FMAS_PER_TENSOR_CORE_OP = 8
+
+
+def scalar_products(counts: dict[str, int]) -> bool:
+    """True when a kernel's PTX (``count_instructions``) holds block products done in scalar FMA, beside or
+    instead of tensor-core instructions."""
+    fma, tc = counts.get("fma", 0), counts.get("mma", 0) + counts.get("wgmma", 0)
+    return fma >= SCALAR_PRODUCT_FMAS and fma >= FMAS_PER_TENSOR_CORE_OP * tc
 
 
 # ---- speed checks: a peer on the same kind of unit ------------------------------------------------
@@ -285,11 +306,20 @@ def speed_peer(compiled, tensor_cores: tuple, cuda_cores: tuple, capability: tup
     compute capability below 8.0; ``capability`` is the GPU's, torch's by default), the second: timing FMA
     against tensor cores would fail correct work for what the compiler did, not the learner. A kernel that
     compiled to FMA alone on a GPU where tl.dot has tensor cores wrote its products some other way (a
-    multiply and tl.sum): the usual peer, and ``why`` says to use tl.dot.
+    multiply and tl.sum): the usual peer, and ``why`` says to use tl.dot; so too where Triton turned some of
+    such products into tensor-core code and left the others in scalar FMA (``scalar_products``).
 
     ``why`` is what the speed line should say about the choice, or "" where there is nothing to say.
     """
-    unit = unit_on_this_gpu(compiled)
+    counts = counts_on_this_gpu(compiled)
+    unit = None if counts is None else unit_of_counts(counts)
+    if unit in ("wgmma", "mma") and scalar_products(counts):
+        name, fn, at_least = tensor_cores
+        why = (f"your kernel compiled to {counts['fma']:,} scalar FMA instructions beside "
+               f"{counts['mma'] + counts['wgmma']} on the tensor cores (Triton turned some of its block products "
+               "into tensor-core code, not the others): write each block product with tl.dot, not as a multiply "
+               "and a tl.sum")
+        return name, fn, at_least, why
     if unit in (None, "wgmma", "mma"):
         name, fn, at_least = tensor_cores
         return name, fn, at_least, ""
