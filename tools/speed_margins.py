@@ -58,7 +58,7 @@ def versions() -> dict[str, dict[str, dict]]:
         "06.8": {"correct": dict(causal_attention_kernel=t6.CausalVariant()),
                  "every tile under a mask": dict(causal_attention_kernel=t6.CausalVariant(NAIVE=True))},
         "07.5": {"correct": dict(attention_dkdv_kernel=t7.dkdv_kernel("ok", Path(tempfile.mkdtemp()))),
-                 "tl.sum, no tensor cores": dict(attention_dkdv_kernel=t7.dkdv_kernel("tl_sum", Path(tempfile.mkdtemp())))},
+                 "products as tl.sum": dict(attention_dkdv_kernel=t7.dkdv_kernel("tl_sum", Path(tempfile.mkdtemp())))},
         "08.5": {"correct": dict(layer_norm_backward_kernel=t8.make_fused()),
                  "partial sums through memory": dict(layer_norm_backward_kernel=t8.make_fused("partials_through_memory"))},
         "09.4": {"correct": dict(make_train_step=t9.fast_train_step), "eager step": dict(make_train_step=t9.make_train_step)},
