@@ -30,6 +30,27 @@ def test_layer_norm_backward_matches_float64(rows, cols, programs):
         assert err <= 2 * peer_err + 1e-5 * truth.abs().max(), (err, peer_err)
 
 
+@pytest.mark.parametrize("n_regs, warps, shared, gpu, want", [
+    (75, 8, 1024, {}, 3),                          # 2,560 registers a warp: 25 warps of an H100's 65,536
+    (64, 8, 1024, {}, 4),                          # 2,048 a warp: 32 warps, four 8-warp programs
+    (40, 8, 1024, {}, 4),                          # room for six, but four are enough to fill an SM
+    (32, 16, 1024, dict(threads_per_sm=1024), 2),  # a T4's SM runs 1,024 threads: two 16-warp programs
+    (32, 4, 100_000, {}, 2),                       # shared memory runs out first
+])
+def test_programs_per_sm_is_what_an_sm_holds_at_once(n_regs, warps, shared, gpu, want):
+    """The LayerNorm backward launches as many programs as the GPU holds at once (at most four per SM): at 75
+    registers a thread, an H200 ran a grid of four 8-warp programs per SM in two waves, 1.4x slower than a
+    kernel of 64 registers, whose four fit."""
+    assert T.programs_per_sm(n_regs, shared, warps, **gpu) == want
+
+
+def test_the_grid_is_four_programs_per_sm_without_a_gpu():
+    """On the CPU nothing is compiled ahead of the launch: four programs per SM, as the CPU world's 4."""
+    h = torch.randn(64, 40)
+    assert T.resident_per_sm(T.layer_norm_backward_kernel, (h, h, h, h[0], h, 64, 40, 40, 1e-5),
+                             dict(BLOCK=64, HAS_DRES=False, num_warps=1)) == 4
+
+
 def test_torch_layer_norm_backward_is_autograds():
     """The timing peer computes what autograd through F.layer_norm computes (float32, on the CPU)."""
     g = torch.Generator().manual_seed(0)

@@ -104,11 +104,55 @@ def _sm_count(device: int) -> int:
     return gpu_properties(device)["multiprocessor_count"]
 
 
-def _programs(n_rows: int) -> int:
-    """How many programs share the rows: a few per SM on a GPU (enough to fill it, few partial sums)."""
+def _programs(n_rows: int, per_sm: int = 4) -> int:
+    """How many programs share the rows: on a GPU ``per_sm`` on each SM (a few: enough to fill it, few
+    partial sums; ``resident_per_sm`` says how many fit at once), 4 on the CPU."""
     if world().gpu:
-        return max(1, min(n_rows, 4 * _sm_count(torch.cuda.current_device())))
+        return max(1, min(n_rows, per_sm * _sm_count(torch.cuda.current_device())))
     return max(1, min(n_rows, 4))
+
+
+def programs_per_sm(n_regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, threads_per_sm: int = 2048,
+                    shared_per_sm: int = 232448, warp_size: int = 32, most: int = 4) -> int:
+    """How many programs of a compiled kernel one SM holds at once, at most ``most``: registers are handed
+    out to each warp in blocks of 256, and the registers, the threads or the shared memory run out first.
+
+    The programs that do not fit wait for a second wave: at 75 registers a thread an H100 holds three of
+    the LayerNorm backward's 8-warp programs, not four, and a grid of four per SM then takes two rounds of a
+    program's rows instead of one. (Triton's fused-softmax tutorial sizes its grid the same way.)"""
+    regs_per_warp = -(-n_regs * warp_size // 256) * 256
+    fit = [regs_per_sm // regs_per_warp // num_warps, threads_per_sm // (num_warps * warp_size), most]
+    if shared:
+        fit.append(shared_per_sm // shared)
+    return max(1, min(fit))
+
+
+_PER_SM: dict = {}  # (kernel, dtype, HAS_DRES, BLOCK, num_warps, device) -> programs an SM holds at once
+
+
+def resident_per_sm(kernel, args: tuple, meta: dict) -> int:
+    """``programs_per_sm`` of the LayerNorm backward ``kernel`` as it compiles on this GPU for the launch of
+    ``layer_norm_backward`` (``args``: h, dy, dres, weight, dx, n_rows, n_cols, stride, eps; ``meta``: BLOCK,
+    HAS_DRES, num_warps), with the rows per program of four programs per SM: 4 on the CPU, or for a kernel
+    wrapped in something that cannot compile it ahead of its launch. Worked out once per kernel, dtype and
+    launch options, from the compiled kernel's registers and shared memory."""
+    if not world().gpu or not hasattr(kernel, "warmup"):
+        return 4
+    h, dy, dres, weight, dx, n_rows, *rest = args
+    key = (kernel, h.dtype, meta.get("HAS_DRES"), meta.get("BLOCK"), meta.get("num_warps"), h.device)
+    if key not in _PER_SM:
+        part = torch.empty(16, device=h.device, dtype=torch.float32)  # its dtype and alignment are what count
+        rows = triton.cdiv(n_rows, _programs(n_rows))
+        # compiles (or finds) the kernel for these arguments, launches nothing
+        compiled = kernel.warmup(h, dy, dres, weight, dx, part, n_rows, *rest, grid=(1,), ROWS_PER_PROGRAM=rows, **meta)
+        compiled._init_handles()  # loads it, which reads its register count
+        gpu = torch.cuda.get_device_properties(h.device)
+        smem = getattr(gpu, "shared_memory_per_multiprocessor", 0) or gpu_properties(h.device.index)["max_shared_mem"]
+        _PER_SM[key] = programs_per_sm(compiled.n_regs, compiled.metadata.shared, meta["num_warps"],
+                                       regs_per_sm=getattr(gpu, "regs_per_multiprocessor", 65536),
+                                       threads_per_sm=gpu.max_threads_per_multi_processor, shared_per_sm=smem,
+                                       warp_size=gpu.warp_size)
+    return _PER_SM[key]
 
 
 def layer_norm_backward(h, weight, dy, eps: float = 1e-5, dres=None, programs: int | None = None, kernel=None):
@@ -121,18 +165,20 @@ def layer_norm_backward(h, weight, dy, eps: float = 1e-5, dres=None, programs: i
     assert h.ndim == 2 and dy.shape == h.shape and weight.shape == h.shape[-1:]
     h, dy = h.contiguous(), dy.contiguous()
     n_rows, n_cols = h.shape
-    programs = programs or _programs(n_rows)
-    rows_per_program = triton.cdiv(n_rows, programs)
-    programs = triton.cdiv(n_rows, rows_per_program)
+    kernel = kernel or layer_norm_backward_kernel
     dx = torch.empty_like(h)
-    part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
     BLOCK = triton.next_power_of_2(n_cols)
     has_dres = dres is not None
     dres = dres.contiguous() if has_dres else dx
-    warps = max(1, min(16, BLOCK // 256))
-    (kernel or layer_norm_backward_kernel)[(programs,)](h, dy, dres, weight, dx, part, n_rows, n_cols, h.stride(0), eps,
-                                            ROWS_PER_PROGRAM=rows_per_program, BLOCK=BLOCK, HAS_DRES=has_dres,
-                                            num_warps=warps)
+    meta = dict(BLOCK=BLOCK, HAS_DRES=has_dres, num_warps=max(1, min(16, BLOCK // 256)))
+    if not programs:  # as many as the GPU holds at once, so that every program runs in the first wave
+        programs = _programs(n_rows, resident_per_sm(kernel, (h, dy, dres, weight, dx, n_rows, n_cols, h.stride(0),
+                                                              eps), meta))
+    rows_per_program = triton.cdiv(n_rows, programs)
+    programs = triton.cdiv(n_rows, rows_per_program)
+    part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
+    kernel[(programs,)](h, dy, dres, weight, dx, part, n_rows, n_cols, h.stride(0), eps,
+                        ROWS_PER_PROGRAM=rows_per_program, **meta)
     dwdb = torch.empty(2 * n_cols, device=h.device, dtype=weight.dtype)
     BLOCK_N = 64
     column_sum_kernel[(triton.cdiv(2 * n_cols, BLOCK_N),)](part, dwdb, programs, 2 * n_cols, part.stride(0),
@@ -191,7 +237,7 @@ def residual_layer_norm(x, r, weight, bias, eps: float = 1e-5):
 # kernels.py explains why these are torch.library operators; here chapter 08's LayerNorm backward joins
 # them, and ResidualLayerNorm becomes the autograd of kernelcourse::residual_layer_norm.
 
-_LN_BACKWARD: dict = {}  # (rows, columns, device) -> (programs, launch options): found once
+_LN_BACKWARD: dict = {}  # (rows, columns, device, dtype, with dres) -> (programs, launch options): found once
 
 
 def layer_norm_backward_lean(h, weight, dy, dres=None, eps: float = 1e-5):
@@ -201,21 +247,24 @@ def layer_norm_backward_lean(h, weight, dy, dres=None, eps: float = 1e-5):
     options are the same as ``layer_norm_backward``'s, so the results agree bit for bit."""
     assert h.ndim == 2 and dy.shape == h.shape, (h.shape, dy.shape)
     n_rows, n_cols = h.shape
-    key = (n_rows, n_cols, h.get_device())
-    opts = _LN_BACKWARD.get(key)
-    if opts is None:
-        programs = _programs(n_rows)
-        rows_per_program = triton.cdiv(n_rows, programs)
-        programs = triton.cdiv(n_rows, rows_per_program)
-        BLOCK = triton.next_power_of_2(n_cols)
-        meta = dict(ROWS_PER_PROGRAM=rows_per_program, BLOCK=BLOCK, num_warps=max(1, min(16, BLOCK // 256)))
-        opts = _LN_BACKWARD[key] = (programs, meta, (triton.cdiv(2 * n_cols, 64),))
-    programs, meta, sum_grid = opts
+    has_dres = dres is not None
+    key = (n_rows, n_cols, h.get_device(), h.dtype, has_dres)
     h, dy = h.contiguous(), dy.contiguous()
     dx = torch.empty_like(h)
-    part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
-    has_dres = dres is not None
     dres = dres.contiguous() if has_dres else dx
+    opts = _LN_BACKWARD.get(key)
+    if opts is None:
+        BLOCK = triton.next_power_of_2(n_cols)
+        meta = dict(BLOCK=BLOCK, num_warps=max(1, min(16, BLOCK // 256)))
+        programs = _programs(n_rows, resident_per_sm(layer_norm_backward_kernel, (h, dy, dres, weight, dx, n_rows,
+                                                                                  n_cols, h.stride(0), eps),
+                                                     dict(meta, HAS_DRES=has_dres)))
+        rows_per_program = triton.cdiv(n_rows, programs)
+        programs = triton.cdiv(n_rows, rows_per_program)
+        opts = _LN_BACKWARD[key] = (programs, dict(meta, ROWS_PER_PROGRAM=rows_per_program),
+                                    (triton.cdiv(2 * n_cols, 64),))
+    programs, meta, sum_grid = opts
+    part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
     # the key fixes the sizes; the dtypes, the alignment and the row stride are what it leaves free
     spec = (key + (h.dtype, dy.dtype, dres.dtype, weight.dtype, has_dres)
             + specialization(h, dy, dres, weight, h.stride(0)))
