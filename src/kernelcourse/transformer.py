@@ -143,9 +143,12 @@ def resident_per_sm(kernel, args: tuple, meta: dict) -> int:
     if key not in _PER_SM:
         part = torch.empty(16, device=h.device, dtype=torch.float32)  # its dtype and alignment are what count
         rows = triton.cdiv(n_rows, _programs(n_rows))
-        # compiles (or finds) the kernel for these arguments, launches nothing
-        compiled = kernel.warmup(h, dy, dres, weight, dx, part, n_rows, *rest, grid=(1,), ROWS_PER_PROGRAM=rows, **meta)
-        compiled._init_handles()  # loads it, which reads its register count
+        try:  # compiles (or finds) the kernel for these arguments, launches nothing, and loads it
+            compiled = kernel.warmup(h, dy, dres, weight, dx, part, n_rows, *rest, grid=(1,), ROWS_PER_PROGRAM=rows,
+                                     **meta)
+            compiled._init_handles()  # loading reads its register count
+        except Exception:  # noqa: BLE001 - an autotuned kernel, say, or one that fails to compile: its launch says why
+            return 4
         gpu = torch.cuda.get_device_properties(h.device)
         smem = getattr(gpu, "shared_memory_per_multiprocessor", 0) or gpu_properties(h.device.index)["max_shared_mem"]
         _PER_SM[key] = programs_per_sm(compiled.n_regs, compiled.metadata.shared, meta["num_warps"],
