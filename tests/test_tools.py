@@ -117,6 +117,55 @@ def test_stamp_check_rejects_missing_and_cpu_stamps():
     assert "not from a GPU" in stamp.stamp_problem(cpu)
 
 
+PACKAGE_CODE = '''@triton.jit
+def add_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+
+
+def launch(x):
+    return add_kernel[(1,)](x, x.numel(), BLOCK=64)
+'''
+
+
+def _printing_lesson(printed: str, package: Path):
+    """A stamped lesson whose last cell prints code as inspect.getsource gave it, and a package that holds
+    PACKAGE_CODE."""
+    (package / "kernels.py").write_text("import triton\n\n\n" + PACKAGE_CODE)
+    nb = _stamped_lesson()
+    cell = nbformat.v4.new_code_cell("Code(inspect.getsource(kc.kernels.add_kernel.fn) + '\\n\\n' + "
+                                     "inspect.getsource(kc.kernels.launch))", execution_count=3)
+    cell.outputs = [nbformat.v4.new_output("execute_result", {"text/plain": printed}, execution_count=3)]
+    nb.cells.append(cell)
+    nb.metadata["kernelcourse"]["stamp"]["code_sha256"] = notebooks.code_hash(nb)
+    return nb
+
+
+def test_stamp_check_catches_printed_package_code_that_changed(tmp_path):
+    """A lesson that prints the package's code shows it as it was when the lesson ran: once the package
+    changes, the page shows old code, though no code cell of the lesson changed."""
+    printed = PACKAGE_CODE.strip("\n")
+    nb = _printing_lesson(printed, tmp_path)
+    assert stamp.stale_printed_source(nb, tmp_path) == []
+    for old, new in (("BLOCK=64", "BLOCK=128"), ("pid = tl.program_id(0)", "pid = tl.program_id(1)")):
+        (tmp_path / "kernels.py").write_text("import triton\n\n\n" + PACKAGE_CODE.replace(old, new))
+        stale = stamp.stale_printed_source(nb, tmp_path)
+        assert stale in ([f"launch in {tmp_path.name}/kernels.py"], [f"add_kernel in {tmp_path.name}/kernels.py"]), stale
+
+
+def test_stamp_check_leaves_code_the_lesson_defines_itself_to_its_hash(tmp_path):
+    """A function the lesson defines (and prints) is in a code cell, which the stamp's hash covers already."""
+    nb = _printing_lesson("def mine(x):\n    return x + 1", tmp_path)
+    assert stamp.stale_printed_source(nb, tmp_path) == []
+
+
+def test_the_course_s_lessons_print_the_package_code_they_ran():
+    """Every piece of the package a lesson prints is found, as printed, in the package (main's own check)."""
+    import glob
+
+    for path in sorted(glob.glob(str(ROOT / "notebooks" / "*.ipynb"))):
+        assert stamp.stale_printed_source(notebooks.read(Path(path))) == [], path
+
+
 def test_site_check_finds_broken_links_and_anchors(tmp_path):
     import check_site
 

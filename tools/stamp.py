@@ -9,14 +9,16 @@ Lesson notebooks are committed executed on a GPU so that the website shows real 
 The stamp (notebook metadata ``kernelcourse.stamp``) holds the GPU, its compute capability, every
 version that can change a result (``kernelcourse.world.VERSION_KEYS``: python, numpy, torch, triton,
 numba, numba-cuda, CuPy, CUDA, nvcc, the driver), the date and a hash of the code cells. ``--check``
-fails when a notebook has no GPU stamp, or when its code cells no longer hash to the stamped value
-(its outputs are stale); a stamp made before one of those versions was recorded passes with a note.
+fails when a notebook has no GPU stamp, when its code cells no longer hash to the stamped value (its
+outputs are stale), or when a function of the package that it prints (``inspect.getsource``) has
+changed since; a stamp made before one of those versions was recorded passes with a note.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,7 +40,42 @@ def stamp_problem(nb) -> str | None:
     unexecuted = sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip() and c.execution_count is None)
     if unexecuted:
         return f"{unexecuted} code cell(s) have no outputs from the stamped run"
+    stale = stale_printed_source(nb)
+    if stale:
+        return (f"it prints the course's code as it was when executed on {stamp['gpu']} ({stamp['date']}), and "
+                f"{stale[0]} has changed since: the page would show old code beside the outputs of the old code")
     return None
+
+
+# A printed piece starts at a def, a class or a decorator, after a blank line (inspect.getsource's pieces are
+# joined with blank lines); the line that names it finds the package file it comes from.
+_PIECE = re.compile(r"\n[ \t]*\n(?=[ \t]*(?:@|def |class |async def ))")
+_NAMING = re.compile(r"^[ \t]*(?:async def|def|class) (\w+).*$", re.M)
+
+
+def stale_printed_source(nb, package: Path | None = None) -> list[str]:
+    """The pieces of the course's own code that a lesson prints (cells calling ``inspect.getsource``) and
+    that its package no longer holds as printed: e.g. ["layer_norm_backward in kernelcourse/transformer.py"].
+
+    The stamp hashes the lesson's code cells, not the package functions a cell prints; a piece defined in the
+    lesson itself is left out (its cell is hashed). What counts is the text a reader sees: a piece must still
+    appear, character for character, in the package file that defines it."""
+    package = package or ROOT / "src" / "kernelcourse"
+    files = {f: f.read_text() for f in sorted(package.rglob("*.py"))}
+    stale = []
+    for cell in nb.cells:
+        if cell.cell_type != "code" or "getsource" not in cell.source:
+            continue
+        for out in cell.get("outputs", []):
+            text = out.get("text") if out.get("output_type") == "stream" else out.get("data", {}).get("text/plain")
+            if not isinstance(text, str):
+                continue
+            for piece in _PIECE.split(text.strip("\n")):
+                naming = _NAMING.search(piece)
+                homes = [f for f, src in files.items() if naming and naming.group(0) + "\n" in src]
+                if homes and not any(piece in files[f] for f in homes):
+                    stale.append(f"{naming.group(1)} in {homes[0].relative_to(package.parent)}")
+    return stale
 
 
 def stamp_note(nb) -> str | None:
