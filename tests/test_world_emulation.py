@@ -26,7 +26,7 @@ def gpu(monkeypatch):
             monkeypatch.setenv("DISABLE_MMA_V3", disable_mma_v3)
         monkeypatch.setattr(speed, "world", lambda: W.World(True, "cuda", "a GPU", capability))
         timed = iter(times)
-        monkeypatch.setattr(speed, "_median_ms", lambda report, what, fn: next(timed))
+        monkeypatch.setattr(speed, "_median_ms", lambda report, what, fn, gpu_only=False: next(timed))
     return make
 
 
