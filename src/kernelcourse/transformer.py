@@ -153,8 +153,8 @@ def resident_per_sm(kernel, args: tuple, meta: dict) -> int:
         smem = getattr(gpu, "shared_memory_per_multiprocessor", 0) or gpu_properties(h.device.index)["max_shared_mem"]
         _PER_SM[key] = programs_per_sm(compiled.n_regs, compiled.metadata.shared, meta["num_warps"],
                                        regs_per_sm=getattr(gpu, "regs_per_multiprocessor", 65536),
-                                       threads_per_sm=gpu.max_threads_per_multi_processor, shared_per_sm=smem,
-                                       warp_size=gpu.warp_size)
+                                       threads_per_sm=getattr(gpu, "max_threads_per_multi_processor", 2048),
+                                       shared_per_sm=smem, warp_size=getattr(gpu, "warp_size", 32))
     return _PER_SM[key]
 
 
