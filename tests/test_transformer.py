@@ -51,6 +51,44 @@ def test_the_grid_is_four_programs_per_sm_without_a_gpu():
                              dict(BLOCK=64, HAS_DRES=False, num_warps=1)) == 4
 
 
+def test_on_a_gpu_the_grid_comes_from_the_compiled_kernel(monkeypatch):
+    """The GPU path without a GPU: the kernel is compiled ahead of its launch (warmup) with the launch's
+    arguments, a float32 buffer for the partial sums and four programs' worth of rows, and the grid is
+    as many programs as an SM holds of it."""
+    import types
+
+    seen = {}
+
+    class Compiled:
+        n_regs, metadata = 75, types.SimpleNamespace(shared=1024)
+
+        def _init_handles(self):
+            seen["loaded"] = True
+
+    class Kernel:
+        def warmup(self, *args, grid, **meta):
+            seen.update(args=args, grid=grid, meta=meta)
+            return Compiled()
+
+    props = types.SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                  shared_memory_per_multiprocessor=233472, warp_size=32)
+    monkeypatch.setattr(T, "world", lambda: types.SimpleNamespace(gpu=True))
+    monkeypatch.setattr(T, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(T.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(T.torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(T, "_PER_SM", {})
+    h = torch.randn(64, 40)
+    kernel = Kernel()
+    meta = dict(BLOCK=2048, HAS_DRES=False, num_warps=8)
+    assert T.resident_per_sm(kernel, (h, h, h, h[0], h, 16384, 2048, 2048, 1e-5), meta) == 3
+    assert seen["loaded"] and seen["grid"] == (1,) and seen["meta"] == dict(meta, ROWS_PER_PROGRAM=32)
+    part = seen["args"][5]
+    assert part.dtype == torch.float32 and seen["args"][6:] == (16384, 2048, 2048, 1e-5)
+    assert T._programs(16384, 3) == 396  # one wave of three programs on each of 132 SMs
+    seen.clear()
+    assert T.resident_per_sm(kernel, (h, h, h, h[0], h, 8192, 2048, 2048, 1e-5), meta) == 3 and not seen  # once
+
+
 def test_torch_layer_norm_backward_is_autograds():
     """The timing peer computes what autograd through F.layer_norm computes (float32, on the CPU)."""
     g = torch.Generator().manual_seed(0)
