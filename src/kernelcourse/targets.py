@@ -283,6 +283,7 @@ def unit_on_this_gpu(kernel_or_compiled) -> str | None:
 # the others, so a kernel can hold both; one with this many FMAs per tensor-core instruction did products
 # on the CUDA cores.
 SCALAR_PRODUCT_FMAS = 512
+USE_TL_DOT = "write each block product with tl.dot, not as a multiply and a tl.sum"  # what such a kernel is told
 FMAS_PER_TENSOR_CORE_OP = 8
 
 
@@ -317,8 +318,7 @@ def speed_peer(compiled, tensor_cores: tuple, cuda_cores: tuple, capability: tup
         name, fn, at_least = tensor_cores
         why = (f"your kernel compiled to {counts['fma']:,} scalar FMA instructions beside "
                f"{counts['mma'] + counts['wgmma']} on the tensor cores (Triton turned some of its block products "
-               "into tensor-core code, not the others): write each block product with tl.dot, not as a multiply "
-               "and a tl.sum")
+               f"into tensor-core code, not the others): {USE_TL_DOT}")
         return name, fn, at_least, why
     if unit in (None, "wgmma", "mma"):
         name, fn, at_least = tensor_cores
@@ -327,7 +327,7 @@ def speed_peer(compiled, tensor_cores: tuple, cuda_cores: tuple, capability: tup
     if capability is not None and capability >= (8, 0):
         name, fn, at_least = tensor_cores
         why = ("your kernel compiled to scalar FMA alone, on the CUDA cores, though Triton puts tl.dot on this "
-               "GPU's tensor cores: write each block product with tl.dot, not as a multiply and a tl.sum")
+               f"GPU's tensor cores: {USE_TL_DOT}")
         return name, fn, at_least, why
     name, fn, at_least = cuda_cores
     why = ("on this GPU Triton compiles tl.dot to scalar FMA on the CUDA cores (it uses tensor cores from "

@@ -410,7 +410,7 @@ def grade_impossible_timings(report: Report, impossible_timings):
         return ("02_timing rows with times drawn for this run", _rows_at_drawn_ratios(
             rng, recorded, b, p, 1.1, ((0.3, 0.9), (1.3, 20.0))), (b, p), "ceilings drawn for this run")
 
-    def impossible(_, rows, ceilings, __):
+    def impossible(_, rows, ceilings, __):  # the answer to a case: also what the learner's must be
         return [i for i, r in enumerate(rows) if _x_roof(r, *ceilings) > 1.1]
 
     cases += [_unlike_the_printed(draw, impossible, cases[:2]) for _ in range(2)]
@@ -421,7 +421,7 @@ def grade_impossible_timings(report: Report, impossible_timings):
             return report.fail(f"{what} returned {_short(got)}: return the indices (ints) of the rows, not "
                                "the rows")
         x = [_x_roof(r, b, p) for r in rows]
-        want = [i for i, v in enumerate(x) if v > 1.1]
+        want = impossible(rows_are, rows, (b, p), label)
         compute_only = [i for i, r in enumerate(rows)
                         if r["flops"] / (r["ms"] * 1e-3) / 1e12 > 1.1 * p]
         memory_only = [i for i, r in enumerate(rows) if r["nbytes"] / (r["ms"] * 1e-3) / 1e9 > 1.1 * b]
@@ -491,7 +491,7 @@ def grade_served_from_l2(report: Report, served_from_l2):
 
     # one factor below 2 and one above: a function that ignores its factor, whatever cut-off it keeps
     # instead, lies outside the 0.5-3% either side of at least one of them
-    def served(_, data, factor, __):
+    def served(_, data, factor, __):  # the answer to a case: also what the learner's must be
         return [op for op in ops if speedup(op, data) >= factor]
 
     cases += [_unlike_the_printed(lambda: drawn(1.15, 1.9), served, cases[:2]),
@@ -501,7 +501,7 @@ def grade_served_from_l2(report: Report, served_from_l2):
         got = _names(report, what, "op names (the rows' 'op')", served_from_l2, [dict(r) for r in data], factor)
         if any(isinstance(n, dict) for n in got):
             return report.fail(f"{what} returned {_short(got)}: return the op names (each row's 'op'), not the rows")
-        want = [op for op in ops if speedup(op, data) >= factor]
+        want = served(label, data, factor, drawn_case)
         mistakes = [
             ([op for op in ops if speedup(op, data) >= 1.5], f"that is what factor=1.5 (the statement's example) "
                                                             f"selects, and this call passed factor={factor:g}: did "
@@ -543,7 +543,7 @@ def grade_below_half_roof(report: Report, below_half_roof):
         return ("02_ops rows with times drawn for this run", _rows_at_drawn_ratios(
             rng, recorded, b, p, 0.5, ((0.05, 0.4), (0.6, 0.98))), (b, p), "ceilings drawn for this run")
 
-    def below_half(_, rows, ceilings, __):
+    def below_half(_, rows, ceilings, __):  # the answer to a case: also what the learner's must be
         return [r["op"] for r in rows if _x_roof(r, *ceilings) < 0.5]
 
     cases += [_unlike_the_printed(draw, below_half, cases[:2]) for _ in range(2)]
@@ -553,7 +553,7 @@ def grade_below_half_roof(report: Report, below_half_roof):
         if any(isinstance(n, dict) for n in got):
             return report.fail(f"{what} returned {_short(got)}: return the op names (each row's 'op'), not the rows")
         x = {r["op"]: _x_roof(r, b, p) for r in rows}
-        want = [op for op, v in x.items() if v < 0.5]
+        want = below_half(rows_are, rows, (b, p), label)
         tflops = {r["op"]: r["flops"] / (r["ms"] * 1e-3) / 1e12 for r in rows}
         gbps = {r["op"]: r["nbytes"] / (r["ms"] * 1e-3) / 1e9 for r in rows}
         mistakes = [

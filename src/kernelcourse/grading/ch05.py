@@ -436,6 +436,7 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
     peer_name, peer, at_least, why = speed_peer(
         compiled, tensor_cores=("cuBLAS (torch.matmul)", lambda: torch.matmul(a, b, out=c), SPEED_VS_CUBLAS),
         cuda_cores=("cuBLAS's fp32 SGEMM (torch.matmul on float32 copies, TF32 off)", sgemm, SPEED_VS_SGEMM))
-    # why: on CUDA cores, why the peer is (said on the line); on tensor cores, a kernel without tl.dot (a hint)
+    # why: on CUDA cores, why the peer is (said on the line); on tensor cores, a kernel without tl.dot (a hint).
+    # library_peer: cuBLAS was built ahead of time, and DISABLE_MMA_V3 leaves it be
     speed_vs_peer(report, what + (f" ({why})" if why and peer is sgemm else ""), lambda: run(a, b, c), peer,
-                  peer_name, at_least, hint=why if why and peer is not sgemm else None, library_peer=True)  # cuBLAS: built ahead of time, DISABLE_MMA_V3 leaves it be
+                  peer_name, at_least, hint=why if why and peer is not sgemm else None, library_peer=True)
