@@ -44,8 +44,12 @@ def test_programs_per_sm_is_what_an_sm_holds_at_once(n_regs, warps, shared, gpu,
     assert T.programs_per_sm(n_regs, shared, warps, **gpu) == want
 
 
-def test_the_grid_is_four_programs_per_sm_without_a_gpu():
-    """On the CPU nothing is compiled ahead of the launch: four programs per SM, as the CPU world's 4."""
+def test_the_grid_is_four_programs_per_sm_without_a_gpu(monkeypatch):
+    """In the CPU world nothing is compiled ahead of the launch: four programs per SM, as the CPU world's 4.
+    (The world is set here, so that the test means the same on a machine with a GPU.)"""
+    import types
+
+    monkeypatch.setattr(T, "world", lambda: types.SimpleNamespace(gpu=False))
     h = torch.randn(64, 40)
     assert T.resident_per_sm(T.layer_norm_backward_kernel, (h, h, h, h[0], h, 64, 40, 40, 1e-5),
                              dict(BLOCK=64, HAS_DRES=False, num_warps=1)) == 4
