@@ -188,6 +188,28 @@ def test_on_several_gpus_every_piece_runs_once_and_stale_lessons_are_stamped():
     assert parts["tests"].left_out and parts["lessons"].left_out and not parts["pass"].left_out
 
 
+def test_a_lesson_that_prints_a_stamped_lessons_recorded_results_is_stamped_after_it():
+    """Chapter 09 prints chapter 08's recorded launch costs (bench.load("08_launch")): stamping 08 again
+    stamps 09 too, after it; stamping 07 alone stamps nothing else, and the order is the lessons'."""
+    root = gpu_check.ROOT
+    lessons = sorted((root / "notebooks").glob("0[1-9]_*.ipynb"))
+    by_ch = {p.name[:2]: p for p in lessons}
+    assert gpu_check.readers_of([by_ch["08"]], lessons) == [by_ch["08"], by_ch["09"]]
+    assert gpu_check.readers_of([by_ch["09"], by_ch["08"]], lessons) == [by_ch["08"], by_ch["09"]]
+    assert gpu_check.readers_of([by_ch["07"]], lessons) == [by_ch["07"]]
+    assert gpu_check.readers_of([], lessons) == []
+
+
+def test_stamps_run_in_the_order_given_and_the_rest_longest_first():
+    order = []
+    part = gpu_check.Part("lessons", "cell")
+    jobs = [gpu_check.Job(part, name, weight, lambda p, env, n=name: order.append(n), alone=alone)
+            for name, weight, alone in (("08 stamped", 10, True), ("09 stamped", 50, True), ("short", 1, False),
+                                        ("long", 9, False))]
+    gpu_check.run_jobs(jobs, ["0"])
+    assert order == ["08 stamped", "09 stamped", "long", "short"]
+
+
 def test_pieces_share_the_gpus_and_add_up_into_their_part():
     import threading
 

@@ -35,8 +35,10 @@ alone (CUDA_VISIBLE_DEVICES). A speed check then has its GPU to itself. --gpus N
 
 executes each lesson whose stamp is stale (its code changed since its GPU run) with tools/stamp.py --record
 instead of nbval, so that checking the course and stamping what changed cost one run of each lesson;
---restamp NN also stamps lesson NN (one whose printed results depend on package code that changed). The
-lessons it stamps run first, one at a time, with nothing else on the machine: their timings are published.
+--restamp NN also stamps lesson NN (one whose printed results depend on package code that changed), and a
+lesson that prints a stamped lesson's recorded results (chapter 09 prints chapter 08's launch costs) is
+stamped after it. The lessons it stamps run first, one at a time, with nothing else on the machine: their
+timings are published.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import importlib.util
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -252,16 +255,29 @@ def _error_line(text: str) -> str:
 def run_jobs(jobs: list[Job], gpus: list[str]) -> None:
     """Run the jobs on the GPUs, each GPU one job at a time, the longest first; print each as it ends.
 
-    The jobs marked ``alone`` run first, one after another, with nothing else on the machine: a stamped
+    The jobs marked ``alone`` run first, one after another in the order given (a lesson that prints another
+    lesson's recorded results is stamped after that lesson), with nothing else on the machine: a stamped
     lesson publishes its timings, and some of them (launch costs, torch.compile's calls) are the CPU's, which
     another process on the same host (torch.compile's workers, say) would slow down."""
-    _share([j for j in jobs if j.alone], gpus[:1], len(gpus) > 1)
+    _share([j for j in jobs if j.alone], gpus[:1], len(gpus) > 1, longest_first=False)
     _share([j for j in jobs if not j.alone], gpus, len(gpus) > 1)
 
 
-def _share(jobs: list[Job], gpus: list[str], name_gpu: bool) -> None:
+def readers_of(stale: list[Path], lessons: list[Path]) -> list[Path]:
+    """The lessons that print recorded results of a lesson in ``stale`` (``bench.load("NN_...")`` in a code
+    cell, NN that lesson's number): what they print comes from that lesson's run, so when it is stamped
+    again they are too, after it. Returned with ``stale``, in the lessons' order."""
+    from notebooks import read
+
+    chapters = {p.name[:2] for p in stale}
+    readers = [p for p in lessons if p not in stale and chapters & {
+        m for c in read(p).cells if c.cell_type == "code" for m in re.findall(r'\bload\("(\d\d)_', c.source)}]
+    return sorted(stale + readers, key=lambda p: p.name)
+
+
+def _share(jobs: list[Job], gpus: list[str], name_gpu: bool, longest_first: bool = True) -> None:
     todo: queue.Queue = queue.Queue()
-    for job in sorted(jobs, key=lambda j: -j.weight):
+    for job in sorted(jobs, key=lambda j: -j.weight) if longest_first else jobs:
         todo.put(job)
     lock = threading.Lock()
 
@@ -484,7 +500,8 @@ def main() -> int:
     gpus = gpu_ids(args.gpus)
     from notebooks import read
     from stamp import stamp_problem
-    stale = [p for p in lessons if args.stamp and (stamp_problem(read(p)) or p.name[:2] in args.restamp)]
+    stale = readers_of([p for p in lessons if args.stamp and (stamp_problem(read(p)) or p.name[:2] in args.restamp)],
+                       lessons)
     parts, jobs = plan(args, lessons, solutions, tests, len(gpus), stale)
     start = time.time()
     print(f"running {len(jobs)} pieces on {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
