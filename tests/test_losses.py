@@ -64,6 +64,42 @@ def test_operator_autograd_matches_and_a_scaled_loss_scales_the_gradient():
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_the_backward_never_asks_the_cpu_for_the_losss_gradient():
+    """Whether d_loss is 1 is decided on the device: no .item() (aten._local_scalar_dense), which would make
+    the CPU wait for the forward's kernel and cannot be captured in a CUDA graph; with 1 and with a scale."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, t = _case(5, 77, seed=13)
+    for factor in (1.0, 3.0):
+        a = x.clone().requires_grad_(True)
+        loss = L.cross_entropy(a, t) * factor
+        with Record():
+            loss.backward()
+        assert seen and not [f for f in seen if "_local_scalar_dense" in f], seen
+
+
+@pytest.mark.parametrize("n, v", [(3, 1), (4, 1000), (5, 1500)])
+def test_scale_rows_multiplies_in_place_and_leaves_every_bit_alone_at_one(n, v):
+    """Rows of odd lengths, and rows past one chunk (1024 in the interpreter), inside a wider buffer (a
+    row stride larger than the row); the columns past the view are never touched."""
+    g = torch.Generator().manual_seed(n * v)
+    buf = torch.randn(n, v + 7, generator=g).to(DEV)
+    x, frame = buf[:, :v], buf[:, v:].clone()
+    want = x.clone()
+    L.scale_rows_(x, torch.tensor(1.0, device=DEV))
+    assert torch.equal(x, want)
+    L.scale_rows_(x, torch.tensor(-2.5, device=DEV))
+    torch.testing.assert_close(x, want * -2.5, rtol=0, atol=0)
+    assert torch.equal(buf[:, v:], frame)
+
+
 def test_opcheck_passes():
     x, t = _case(6, 300, seed=11)
     x.requires_grad_(True)
@@ -133,3 +169,26 @@ def test_no_other_tensor_the_size_of_the_logits_is_made():
     with Record():
         (L.cross_entropy(x, t) * 3.0).backward()  # a scaled loss: multiplied in place, still one buffer
     assert made[1:] == ["kernelcourse.cross_entropy.default"], made
+
+
+@pytest.mark.skipif(not kc.world().gpu, reason="CUDA graphs need a CUDA GPU")
+def test_forward_and_backward_through_the_operator_replay_in_a_cuda_graph():
+    """A training step can be captured whole: nothing in the operator's forward or backward waits for the
+    GPU. Replayed on new logits copied into the captured buffer, the gradient is that of the new logits."""
+    from kernelcourse.transformer import cuda_graph
+
+    x, t = _case(64, 5000, seed=17)
+    logits = x.clone().requires_grad_(True)
+
+    def step():
+        logits.grad = None
+        (L.cross_entropy(logits, t) * 0.5).backward()  # a scaled loss: the kernel that multiplies runs too
+
+    replay = cuda_graph(step)
+    y, _ = _case(64, 5000, seed=18)
+    with torch.no_grad():
+        logits.copy_(y)
+    replay()
+    b = y.double().requires_grad_(True)
+    (F.cross_entropy(b, t) * 0.5).backward()
+    torch.testing.assert_close(logits.grad.double(), b.grad, rtol=1e-4, atol=1e-6)

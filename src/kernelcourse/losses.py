@@ -171,13 +171,37 @@ def _backward(ctx, d_loss, d_grad):
         return None, None, None, None
     if _traced(grad):
         return grad * d_loss, None, None, None  # traced: the graph must not depend on d_loss's value
-    # Run eagerly, the saved gradient is handed on as it is, with no second N x V buffer:
-    # loss.backward() on the loss itself sends d_loss = 1, and then there is nothing to multiply;
-    # otherwise (a scaled loss) it is multiplied in place. A second backward through the same graph
-    # (retain_graph=True) would multiply it again: the loss ends the graph and is backpropagated once.
-    if d_loss.item() != 1.0:
-        grad.mul_(d_loss.to(grad.dtype))
+    # Run eagerly, the saved gradient is handed on as it is, with no second N x V buffer, multiplied in
+    # place by d_loss where d_loss is not 1 (a scaled loss). loss.backward() on the loss itself sends 1, and
+    # the GPU finds that out (scale_rows_kernel), not the CPU: d_loss.item() would make the CPU wait for
+    # the forward's kernel, and a CUDA graph cannot capture that wait. A second backward through the same
+    # graph (retain_graph=True) would multiply again: the loss ends the graph and is backpropagated once.
+    scale_rows_(grad, d_loss)
     return grad, None, None, None
+
+
+@triton.jit
+def scale_rows_kernel(x_ptr, factor_ptr, n_cols, stride, BLOCK: tl.constexpr):
+    # x[row] *= factor, in place, one program per row, unless factor is 1: then every program returns
+    # after loading it, and no row is read.
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        x_row = x_ptr + tl.program_id(0).to(tl.int64) * stride
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask).to(tl.float32)
+            tl.store(x_row + cols, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_rows_(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``x *= factor`` in place for a 2D ``x`` with rows of stride-1 values and a one-element ``factor`` on
+    ``x``'s device, with no work and no synchronisation when ``factor`` is 1 (the backward of a loss)."""
+    assert x.ndim == 2 and x.stride(1) == 1 and factor.numel() == 1 and factor.device == x.device
+    if x.numel():
+        block = min(1024 if not world().gpu else 4096, triton.next_power_of_2(x.shape[1]))
+        scale_rows_kernel[(x.shape[0],)](x, factor, x.shape[1], x.stride(0), BLOCK=block, num_warps=8)
+    return x
 
 
 _cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
