@@ -15,7 +15,7 @@ from ..world import low_precision_dtype, world
 from . import POISON, Report, as_number, as_tuple, call, compare, exercise, explain, fresh_rng, number, speed_vs_peer
 from .harness import (NAN, PAD, STUB, USUAL_EPS, data_mask, diagnose, draw_eps, exact, framed, host, in_float32,
                       launch, never_written, not_a_kernel, nothing_written, outside_writes, own_eps_hint, rand,
-                      rounding_floor, sizes, speed_vs_peers, tolerance, unwritten_as_nan)
+                      rounding_floor, sizes, tolerance, unwritten_as_nan)
 
 EPS = 1e-5
 
@@ -433,10 +433,10 @@ def grade_fused_backward(report: Report, layer_norm_backward_kernel):
     # and against the course's kernel, timed in the same run: PyTorch's speed varies from GPU to GPU, so a
     # kernel that loads and stores its partial sums for every row can clear 0.9x PyTorch on some runs; against
     # a peer that does the same work with the sums in registers, it cannot
-    speed_vs_peers(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
-                   lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
-                   lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, KEEP_IN_REGISTERS,
-                   gpu_only=True)
+    speed_vs_peer(report, f"LayerNorm backward against the course's kernel at {n_rows} x {n_cols} {name}",
+                  lambda: T.layer_norm_backward(h, w, dy, EPS, kernel=layer_norm_backward_kernel),
+                  lambda: T.layer_norm_backward(h, w, dy, EPS), "the course's kernel", 0.9, hint=KEEP_IN_REGISTERS,
+                  gpu_only=True)
 
 
 class PoisonedOutputs:

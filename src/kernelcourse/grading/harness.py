@@ -472,21 +472,3 @@ def rand(rng, shape, scales=(1.0, 3.0)):
 def sizes(cpu: list, gpu_extra: list) -> list:
     # The interpreter runs programs one after another in Python: small sizes on the CPU.
     return cpu + (gpu_extra if world().gpu else [])
-
-
-def speed_vs_peers(report, what: str, fn, peer, peer_name: str, at_least: float, hint: str,
-                   gpu_only: bool = False) -> bool | None:
-    """``speed_vs_peer`` with ``hint`` after a failing line: what makes a correct kernel this slow
-    (chapters 06 and 08 time the learner's kernel against the course's own, in the same run)."""
-    before = len(report.lines)
-    captured: list[str] = []
-    sink, report.sink = report.sink, captured.append
-    try:
-        verdict = speed_vs_peer(report, what, fn, peer, peer_name, at_least, gpu_only=gpu_only)
-    finally:
-        report.sink = sink
-    for i in range(before, len(report.lines)):
-        if verdict is False and i == len(report.lines) - 1:
-            report.lines[i] += f": {hint}"
-        sink(report.lines[i])
-    return verdict
