@@ -55,7 +55,7 @@ def cross_entropy_ref(logits, target, ignore_index: int = IGNORE_INDEX, reductio
 @triton.jit
 def cross_entropy_kernel(logits_ptr, grad_ptr, target_ptr, loss_ptr, count_ptr, n_cols, stride_logits,
                          stride_grad, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 at 8192 x 50257
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 at 32768 tokens x a 128K vocabulary
     x_row = logits_ptr + row * stride_logits
     g_row = grad_ptr + row * stride_grad
     lanes = tl.arange(0, BLOCK)
