@@ -41,6 +41,23 @@ def test_banner_names_world_and_versions():
     assert "numpy" in text and "torch" in text and "triton" in text and ("GPU" in text or "CPU" in text)
 
 
+def test_the_host_cpu_is_named_with_its_cores_and_recorded_with_results(monkeypatch, tmp_path):
+    """Recorded results and stamps name the CPU: launch costs depend on it. The model comes from
+    /proc/cpuinfo where there is one, else from platform; the cores are those this process may use."""
+    import builtins
+
+    cpu = WORLD.host_cpu()
+    assert cpu.endswith("logical cores") and not cpu.startswith(" ·"), cpu
+    assert bench.provenance()["cpu"] == cpu
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t:  Some   CPU @ 3.0GHz\nflags\t\t: fpu\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(info if f == "/proc/cpuinfo" else f, *a, **k))
+    assert WORLD.host_cpu().startswith("Some CPU @ 3.0GHz · ")
+    info.write_text("processor\t: 0\n")  # no model name (an ARM host): platform's name instead
+    assert not WORLD.host_cpu().startswith(" ·")
+
+
 def test_versions_record_everything_that_changes_a_result():
     import numpy
     import torch

@@ -344,10 +344,10 @@ def machine() -> tuple[str, dict]:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
-    from kernelcourse.world import versions
+    from kernelcourse.world import host_cpu, versions
 
     props = torch.cuda.get_device_properties(0)
-    return f"{props.name} (compute capability {props.major}.{props.minor})", versions()
+    return f"{props.name} (compute capability {props.major}.{props.minor}; host CPU {host_cpu()})", versions()
 
 
 def render(parts: list[Part], gpu: str, versions: dict, seconds: float) -> str:

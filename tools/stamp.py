@@ -26,7 +26,7 @@ from pathlib import Path
 from notebooks import ROOT, code_hash, read, write
 
 sys.path.insert(0, str(ROOT / "src"))
-from kernelcourse.world import VERSION_KEYS  # noqa: E402  (imports neither torch nor triton)
+from kernelcourse.world import VERSION_KEYS, host_cpu  # noqa: E402  (imports neither torch nor triton)
 
 
 def stamp_problem(nb) -> str | None:
@@ -144,6 +144,7 @@ def execute(path: Path, record: bool, timeout: int) -> None:
         "gpu": w.name,
         "compute_capability": f"{w.capability[0]}.{w.capability[1]}",
         "versions": w.versions,
+        "cpu": host_cpu(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "seconds": round(time.time() - start, 1),
         "code_sha256": code_hash(nb),

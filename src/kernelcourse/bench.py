@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .world import world
+from .world import host_cpu, world
 
 RECORDED_DIR = Path(__file__).parent / "recorded"
 
@@ -94,6 +94,7 @@ def provenance() -> dict:
         "gpu": w.name,
         "compute_capability": ".".join(map(str, w.capability)) if w.capability else None,
         "versions": w.versions,
+        "cpu": host_cpu(),  # launch costs and calls timed from Python depend on it
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
         "command": os.environ.get("KC_RECORD_COMMAND", "interactive"),
     }

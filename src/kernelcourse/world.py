@@ -265,6 +265,20 @@ def world() -> World:
     return _current if _current is not None else setup(quiet=True)
 
 
+def host_cpu() -> str:
+    """The host's CPU model and how many logical cores this process may use: the CPU sets what a kernel
+    launch costs, so a call timed from Python depends on it as much as on the GPU (chapters 08 and 09)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1] for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    name = " ".join(name.split()) or platform.processor() or platform.machine() or "unknown CPU"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} · {cores} logical cores"
+
+
 def banner(w: World) -> str:
     v = w.versions
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -274,6 +288,7 @@ def banner(w: World) -> str:
         props = torch.cuda.get_device_properties(0)
         where = (f"GPU: {w.name} · compute capability {w.capability[0]}.{w.capability[1]} · "
                  f"{props.multi_processor_count} SMs · {props.total_memory / 2**30:.0f} GiB")
+        where += f"\nHost CPU: {host_cpu()}"
         note = "Kernels compile and run on this GPU; timings are measured now."
         if _env_capability():
             where += f" (run as compute capability {w.capability[0]}.{w.capability[1]}: KC_MAX_CAPABILITY)"
