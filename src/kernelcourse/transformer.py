@@ -268,9 +268,9 @@ def layer_norm_backward_lean(h, weight, dy, dres=None, eps: float = 1e-5):
                                     (triton.cdiv(2 * n_cols, 64),))
     programs, meta, sum_grid = opts
     part = torch.empty((programs, 2 * n_cols), device=h.device, dtype=torch.float32)
-    # the key fixes the sizes; the dtypes, the alignment and the row stride are what it leaves free
-    spec = (key + (h.dtype, dy.dtype, dres.dtype, weight.dtype, has_dres)
-            + specialization(h, dy, dres, weight, h.stride(0)))
+    # the key fixes the sizes, h's dtype and dres's presence; the other dtypes, the alignment and the row
+    # stride are what it leaves free
+    spec = key + (dy.dtype, dres.dtype, weight.dtype) + specialization(h, dy, dres, weight, h.stride(0))
     direct(layer_norm_backward_kernel, spec, (programs,),
            (h, dy, dres, weight, dx, part, n_rows, n_cols, h.stride(0), eps), {"HAS_DRES": has_dres, **meta})
     dwdb = torch.empty((2, n_cols), device=h.device, dtype=weight.dtype)
