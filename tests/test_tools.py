@@ -84,6 +84,18 @@ def test_stamp_check_catches_changed_code():
     assert "stale" in stamp.stamp_problem(nb)
 
 
+def test_stamp_check_catches_a_warning_or_an_error_in_the_outputs():
+    nb = _stamped_lesson()
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    assert stamp.stamp_problem(nb) is None
+    nb.cells[1].outputs.append(nbformat.v4.new_output(
+        "stream", name="stderr", text="\n/x/profiler.py:224: UserWarning: Profiler clears events\n  _warn_once(\n"))
+    problem = stamp.stamp_problem(nb)
+    assert "cell 1" in problem and "UserWarning: Profiler clears events" in problem
+    nb.cells[1].outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="bad", traceback=[])]
+    assert "ValueError: bad" in stamp.stamp_problem(nb)
+
+
 def test_stamp_check_ignores_comments_but_not_what_runs():
     nb = _stamped_lesson()
     nb.cells[1].source = "x = 1  # one, as measured\n# a note on its own line"

@@ -10,8 +10,9 @@ The stamp (notebook metadata ``kernelcourse.stamp``) holds the GPU, its compute 
 version that can change a result (``kernelcourse.world.VERSION_KEYS``: python, numpy, torch, triton,
 numba, numba-cuda, CuPy, CUDA, nvcc, the driver), the date and a hash of the code cells. ``--check``
 fails when a notebook has no GPU stamp, when its code cells no longer hash to the stamped value (its
-outputs are stale), or when a function of the package that it prints (``inspect.getsource``) has
-changed since; a stamp made before one of those versions was recorded passes with a note.
+outputs are stale), when its outputs hold an error or text on stderr (a library's warning, on a page
+learners read), or when a function of the package that it prints (``inspect.getsource``) has changed
+since; a stamp made before one of those versions was recorded passes with a note.
 """
 from __future__ import annotations
 
@@ -40,11 +41,28 @@ def stamp_problem(nb) -> str | None:
     unexecuted = sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip() and c.execution_count is None)
     if unexecuted:
         return f"{unexecuted} code cell(s) have no outputs from the stamped run"
+    noise = stderr_outputs(nb)
+    if noise:
+        return (f"cell {noise[0][0]}'s output holds {noise[0][1]}: a page shows what the learner should read, "
+                f"not a library's warning (silence it at its source, or fix what it warns about)")
     stale = stale_printed_source(nb)
     if stale:
         return (f"it prints the course's code as it was when executed on {stamp['gpu']} ({stamp['date']}), and "
                 f"{stale[0]} has changed since: the page would show old code beside the outputs of the old code")
     return None
+
+
+def stderr_outputs(nb) -> list[tuple[int, str]]:
+    """(cell index, first line) of each stderr stream or error among a notebook's committed outputs."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                found.append((i, f"an error: {out.get('ename')}: {out.get('evalue', '')[:80]}"))
+            elif out.get("output_type") == "stream" and out.get("name") == "stderr" and out.get("text", "").strip():
+                line = next(ln for ln in out["text"].splitlines() if ln.strip())
+                found.append((i, f"text on stderr: {line.strip()[:120]!r}"))
+    return found
 
 
 # A printed piece starts at a def, a class or a decorator, after a blank line (inspect.getsource's pieces are
