@@ -23,10 +23,15 @@ transformers is imported here only, when ``register()`` runs: the course's packa
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
 from .attention_backward import attention
+
+# transformers imports tqdm.auto on first use, which warns in a notebook without ipywidgets (a page of the
+# course would show that warning); the course shows no progress bars. Set before any import of transformers.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 NAME = "kernelcourse"
 
@@ -81,13 +86,6 @@ def _describe(x) -> str:
     return repr(x)
 
 
-def _quiet_import():
-    # transformers imports tqdm.auto, which warns in a notebook without ipywidgets; the course shows no progress bars
-    import warnings
-
-    warnings.filterwarnings("ignore", message="IProgress not found")
-
-
 def register(name: str = NAME) -> str:
     """Register the course's attention with transformers under ``name``; returns the name.
 
@@ -95,7 +93,6 @@ def register(name: str = NAME) -> str:
     ``AttentionMaskInterface`` (so that a padded batch reaches the attention as a mask, and is refused).
     Calling it again does nothing new.
     """
-    _quiet_import()
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
