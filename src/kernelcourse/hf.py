@@ -156,8 +156,10 @@ def bench_llama_training(batch: int = 4, seq_len: int = 2048, layers: int = 6, w
                          kv_heads: int = 4, steps: int = 20, train_steps: int = 100) -> list[dict]:
     """On a GPU: a Llama of ``layers`` layers of width ``width`` in bfloat16 (float16 before compute capability
     8.0) trained with SDPA's attention and with the course's, same weights and data: tokens per second of a
-    training step (forward, backward, AdamW; median of ``steps`` timed steps after warm-up) and the loss curve
-    of ``train_steps`` steps. One row per attention."""
+    training step (forward, backward, AdamW; median of ``steps`` timed steps after warm-up, each step's time
+    kept) and the loss curve of ``train_steps`` steps, twice from the same weights and data (``losses`` and
+    ``losses_again``: how far a run differs from itself is the yardstick for the gap between the two
+    attentions). One row per attention."""
     import statistics
     import time
 
@@ -169,7 +171,11 @@ def bench_llama_training(batch: int = 4, seq_len: int = 2048, layers: int = 6, w
                                max_position_embeddings=seq_len)
     rows = []
     for impl, model in llama_pair(config, dtype=dtype, device="cuda").items():
+        start = copy.deepcopy(model.state_dict())
         losses = train_losses(model, steps=train_steps, batch=batch, seq_len=seq_len, lr=1e-3)
+        model.load_state_dict(start)
+        losses_again = train_losses(model, steps=train_steps, batch=batch, seq_len=seq_len, lr=1e-3)
+        del start
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -185,7 +191,8 @@ def bench_llama_training(batch: int = 4, seq_len: int = 2048, layers: int = 6, w
                 times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1e3
         rows.append({"attention": impl, "ms_per_step": ms, "tokens_per_s": batch * seq_len / (ms * 1e-3),
-                     "losses": losses, "batch": batch, "seq_len": seq_len, "layers": layers, "width": width,
+                     "ms_steps": [t * 1e3 for t in times], "losses": losses, "losses_again": losses_again,
+                     "batch": batch, "seq_len": seq_len, "layers": layers, "width": width,
                      "heads": heads, "kv_heads": kv_heads, "dtype": str(dtype).removeprefix("torch.")})
         del model, opt
         torch.cuda.empty_cache()
