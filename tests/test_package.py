@@ -41,6 +41,21 @@ def test_banner_names_world_and_versions():
     assert "numpy" in text and "torch" in text and "triton" in text and ("GPU" in text or "CPU" in text)
 
 
+def test_a_gpu_banner_says_an_emulated_capability_on_the_gpu_line_and_names_the_host_cpu(monkeypatch):
+    import types
+
+    import torch
+
+    props = types.SimpleNamespace(multi_processor_count=132, total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(WORLD, "_env_capability", lambda: (8, 0))
+    w = WORLD.World(True, "cuda", "NVIDIA H100 80GB HBM3", (8, 0), kc.world().versions)
+    gpu_line, cpu_line = WORLD.banner(w).splitlines()[:2]
+    assert gpu_line.startswith("GPU: NVIDIA H100")
+    assert gpu_line.endswith("(run as compute capability 8.0: KC_MAX_CAPABILITY)")
+    assert cpu_line == f"Host CPU: {WORLD.host_cpu()}"
+
+
 def test_the_host_cpu_is_named_with_its_cores_and_recorded_with_results(monkeypatch, tmp_path):
     """Recorded results and stamps name the CPU: launch costs depend on it. The model comes from
     /proc/cpuinfo where there is one, else from platform; the cores are those this process may use."""

@@ -288,10 +288,10 @@ def banner(w: World) -> str:
         props = torch.cuda.get_device_properties(0)
         where = (f"GPU: {w.name} · compute capability {w.capability[0]}.{w.capability[1]} · "
                  f"{props.multi_processor_count} SMs · {props.total_memory / 2**30:.0f} GiB")
-        where += f"\nHost CPU: {host_cpu()}"
-        note = "Kernels compile and run on this GPU; timings are measured now."
         if _env_capability():
             where += f" (run as compute capability {w.capability[0]}.{w.capability[1]}: KC_MAX_CAPABILITY)"
+        where += f"\nHost CPU: {host_cpu()}"
+        note = "Kernels compile and run on this GPU; timings are measured now."
     else:
         where = "CPU (no CUDA GPU): Triton runs in its interpreter, CUDA kernels in numba's simulator"
         note = "Kernels run for correctness only; timing cells show results recorded on a GPU."
