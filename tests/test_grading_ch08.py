@@ -101,7 +101,7 @@ def test_08_1_accepts_correct():
     ("no_c1", "x̂ * mean(x̂ * g) term is missing"),
     ("no_c2", "mean(g) term is missing"),
     ("padding", "is not 0 in the padding"),
-    ("half_sum", "float32"),
+    ("half_sum", "in float16 their sum loses the digits x - mean needs: convert what you load with .to(tl.float32)"),
     ("own_eps", "use the eps argument"),
 ])
 def test_08_1_rejects_mistakes(mistake, hint):
@@ -434,7 +434,7 @@ def test_08_5_accepts_correct():
 @pytest.mark.parametrize("mistake, hint", [
     ("no_dres", "add dres"),
     ("last_row", "add up all of its rows"),
-    ("half_sum", "float32"),
+    ("half_sum", "in float16 their sums lose the digits x - mean"),
     ("own_eps", "use the eps argument"),
     ("packed", "not r * n_cols"),
     ("no_partials", "does every program store its partial dW and dB"),
