@@ -2,6 +2,8 @@
 exactly what the readable launchers compute, the operators pass ``torch.library.opcheck``, and chapter 08's
 block and GPT compile with ``torch.compile(fullgraph=True)`` without a graph break. Tiny sizes: on the CPU
 the kernels run in Triton's interpreter."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,24 @@ def test_layer_norm_backward_operator():
     w = torch.rand(33, device=dev) + 0.5
     _opcheck(ops.layer_norm_backward.default, (h, w, dy, dres, 1e-5))
     _opcheck(ops.layer_norm_backward.default, (h, w, dy, None, 1e-5))
+    # with inputs that need a gradient, opcheck checks that autograd is registered (it raises, below)
+    torch.library.opcheck(ops.layer_norm_backward.default, (h, w, dy.clone().requires_grad_(), dres, 1e-5),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_a_second_derivative_of_the_layer_norm_raises():
+    """create_graph=True through the course's LayerNorm: the backward of its backward raises and says what to
+    use instead, where PyTorch would warn and leave the terms through the backward kernel out."""
+    from kernelcourse.transformer import NO_SECOND_DERIVATIVE, residual_layer_norm
+
+    dev = _dev()
+    x = torch.randn(6, 40, device=dev, requires_grad=True)
+    r, b = torch.randn(6, 40, device=dev), torch.randn(40, device=dev)
+    w = torch.randn(40, device=dev, requires_grad=True)
+    y, _ = residual_layer_norm(x, r, w, b)
+    (gx,) = torch.autograd.grad((y * torch.randn_like(y)).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=re.escape(NO_SECOND_DERIVATIVE)):
+        gx.sum().backward()
 
 
 def test_matmul_operator():

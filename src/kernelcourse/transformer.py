@@ -285,6 +285,26 @@ def _ln_backward_fake(h, weight, dy, dres=None, eps=1e-5):
 
 kernels._define("layer_norm_backward(Tensor h, Tensor weight, Tensor dy, Tensor? dres=None, float eps=1e-05) "
                 "-> (Tensor, Tensor)", layer_norm_backward_lean, _ln_backward_fake)
+
+NO_SECOND_DERIVATIVE = ("kernelcourse's LayerNorm has no second derivative: its backward kernel is not "
+                        "differentiable itself. Use torch.nn.functional.layer_norm where you need one "
+                        "(create_graph=True, torch.autograd.functional.hessian, gradient penalties)")
+
+
+class _LayerNormBackwardOnce(torch.autograd.Function):
+    """The autograd of ``kernelcourse::layer_norm_backward``: a backward of the backward raises, instead of
+    PyTorch's warning and gradients that silently leave out the terms through it."""
+
+    @staticmethod
+    def forward(ctx, h, weight, dy, dres, eps):
+        return kernels._below_autograd(ops.layer_norm_backward.default, h, weight, dy, dres, eps)
+
+    @staticmethod
+    def backward(ctx, ddx, ddwdb):
+        raise RuntimeError(NO_SECOND_DERIVATIVE)
+
+
+kernels._register_autograd("layer_norm_backward", _LayerNormBackwardOnce)
 kernels._register_autograd("residual_layer_norm", ResidualLayerNorm)
 
 
