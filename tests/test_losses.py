@@ -1,6 +1,8 @@
 """The fused cross-entropy of chapter 08 (kernelcourse.losses): loss and gradient against F.cross_entropy in
 float64, on vocabularies that are not multiples of the chunk, with ignored rows; the operator passes opcheck
 and compiles. Kernels run in Triton's interpreter on the CPU."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,6 +100,15 @@ def test_scale_rows_multiplies_in_place_and_leaves_every_bit_alone_at_one(n, v):
     L.scale_rows_(x, torch.tensor(-2.5, device=DEV))
     torch.testing.assert_close(x, want * -2.5, rtol=0, atol=0)
     assert torch.equal(buf[:, v:], frame)
+
+
+def test_a_second_derivative_raises():
+    """create_graph=True: the gradient the forward kernel wrote is a constant to autograd, so a backward of the
+    backward would leave out the softmax's own derivative; it raises and says what to use instead."""
+    x, t = _case(4, 300, seed=3)
+    a = x.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match=re.escape(L.NO_SECOND_DERIVATIVE)):
+        torch.autograd.grad(L.cross_entropy(a, t), a, create_graph=True)
 
 
 def test_opcheck_passes():

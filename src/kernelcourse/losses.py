@@ -136,6 +136,11 @@ def cross_entropy_forward_backward(logits: torch.Tensor, target: torch.Tensor, i
 # ---- the operator, with autograd ---------------------------------------------------------------
 
 
+NO_SECOND_DERIVATIVE = ("kernelcourse's cross-entropy has no second derivative: its backward hands on the gradient "
+                        "its forward kernel wrote, which autograd sees as a constant. Use "
+                        "torch.nn.functional.cross_entropy where you need one (create_graph=True)")
+
+
 @torch.library.custom_op("kernelcourse::cross_entropy", mutates_args=())
 def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                       reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +176,8 @@ def _backward(ctx, d_loss, d_grad):
         return None, None, None, None
     if _traced(grad):
         return grad * d_loss, None, None, None  # traced: the graph must not depend on d_loss's value
+    if torch.is_grad_enabled():  # create_graph=True: the saved gradient is a constant to autograd
+        raise RuntimeError(NO_SECOND_DERIVATIVE)
     # Run eagerly, the saved gradient is handed on as it is, with no second N x V buffer, multiplied in
     # place by d_loss where d_loss is not 1 (a scaled loss). loss.backward() on the loss itself sends 1, and
     # the GPU finds that out (scale_rows_kernel), not the CPU: d_loss.item() would make the CPU wait for
