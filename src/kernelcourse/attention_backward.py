@@ -137,8 +137,8 @@ def tile_and_head(GROUP: tl.constexpr):
     A GPU starts programs in the order of their ids, program_id(0) fastest: GROUP = 1 runs every tile of
     head 0, then of head 1, and so on. GROUP = G runs tile 0 of heads 0 … G-1, then tile 1 of those heads,
     and so on, then moves to the next G heads: under a causal mask the tiles with the most work start
-    first across the whole grid, not only within each head, while the few heads in flight keep their
-    tensors in L2.
+    first across the whole grid, not only within each head, while only a few heads are in flight, so that
+    their tensors can stay in L2 where they fit (chapter 07 prints, for a few shapes, whether four heads' do).
     """
     if GROUP == 1:
         return tl.program_id(0), tl.program_id(1).to(tl.int64)
