@@ -17,7 +17,6 @@ since; a stamp made before one of those versions was recorded passes with a note
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import re
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 from notebooks import ROOT, code_hash, read, write
 
 sys.path.insert(0, str(ROOT / "src"))
-from kernelcourse.world import VERSION_KEYS, host_cpu  # noqa: E402  (imports neither torch nor triton)
+from kernelcourse.world import VERSION_KEYS  # noqa: E402  (imports neither torch nor triton)
 
 
 def stamp_problem(nb) -> str | None:
@@ -145,6 +144,7 @@ def execute(path: Path, record: bool, timeout: int) -> None:
     if not torch.cuda.is_available():
         sys.exit("tools/stamp.py executes notebooks on a GPU, and torch sees none here")
     import kernelcourse as kc
+    from kernelcourse.bench import provenance
 
     w = kc.setup(quiet=True)
     nb = read(path)
@@ -158,12 +158,10 @@ def execute(path: Path, record: bool, timeout: int) -> None:
     start = time.time()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
+    # what recorded results say of their machine (GPU, capability, versions, host CPU, date), as they say it
+    made_on = {key: value for key, value in provenance().items() if key != "command"}
     nb.metadata.setdefault("kernelcourse", {})["stamp"] = {
-        "gpu": w.name,
-        "compute_capability": f"{w.capability[0]}.{w.capability[1]}",
-        "versions": w.versions,
-        "cpu": host_cpu(),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
+        **made_on,
         "seconds": round(time.time() - start, 1),
         "code_sha256": code_hash(nb),
     }
