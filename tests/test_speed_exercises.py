@@ -269,6 +269,38 @@ def test_05_4_checks_the_tails_before_speed(kernel, hint):
     assert "cuBLAS" not in text, text
 
 
+class _OutOfSharedMemory:
+    """05.2's kernel launched with a config too big for this GPU's shared memory: Triton raises OutOfResources
+    at the launch, at every shape, or (``aligned_only``) only where the operands' sizes are multiples of 16, as
+    for a kernel pipelined through shared memory only where its loads can be (the grader's 4096^3 speed shape;
+    its tail shapes are not)."""
+    fn = mm_ok.fn
+
+    def __init__(self, aligned_only: bool):
+        self.aligned_only = aligned_only
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("launch it as matmul_kernel[grid](...)")
+
+    def __getitem__(self, grid):
+        def launch(a, b, c, M, N, K, *rest, **meta):
+            if not self.aligned_only or (M % 16, N % 16, K % 16) == (0, 0, 0):
+                raise triton.runtime.errors.OutOfResources(98304, 65536, "shared memory")
+            return mm_ok[grid](a, b, c, M, N, K, *rest, **meta)
+        return launch
+
+
+@pytest.mark.parametrize("aligned_only", [False, pytest.param(True, marks=needs_gpu)])
+def test_05_4_a_config_too_big_for_shared_memory_says_what_to_change(aligned_only):
+    """A config that does not fit fails with what to change, at the tail shapes or at the speed shape alike."""
+    passed, text = grade("05.4", matmul_kernel=_OutOfSharedMemory(aligned_only), matmul_config=GOOD)
+    assert not passed
+    failing = next(line for line in text.splitlines() if line.startswith("✘"))
+    assert "needs more shared memory than this GPU has" in failing, text
+    assert "Required: 98304, Hardware limit: 65536" in failing and "smaller tiles or fewer stages" in failing, text
+    assert failing.startswith("✘ 4096x4096x4096 fp16" if aligned_only else "✘ (131x71) @ (71x123) fp16"), text
+
+
 def test_05_4_needs_a_kernel():
     passed, text = grade("05.4", matmul_kernel=lambda *a: None, matmul_config=GOOD)
     assert not passed and "matmul_kernel" in text, text
