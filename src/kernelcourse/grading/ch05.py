@@ -92,8 +92,6 @@ def _operands(rng, M, N, K, bm, bn, bk, dtype, b_transposed, a_column_major=Fals
     Past K the frame is NaN: a K step that reads there without a mask brings NaN into C. Past M and N
     it is finite: reading there only changes rows and columns of C that the masked store drops.
     """
-    import torch
-
     def place(data, k_axis, pad):
         full, view = framed(data, dtype, PAD, pad_rows=pad[0], pad_cols=pad[1])
         if k_axis == 1:
