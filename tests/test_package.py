@@ -308,6 +308,16 @@ def test_an_illegal_gpu_access_is_explained():
     assert "illegal memory access" in line and "restart the kernel" in line
 
 
+def test_a_launch_out_of_shared_memory_is_explained():
+    from triton.runtime.errors import OutOfResources
+
+    line = grading.explain(OutOfResources(98304, 65536, "shared memory"))
+    assert line.startswith("the launch needs more shared memory than this GPU has (out of resource: shared memory, "
+                           "Required: 98304, Hardware limit: 65536"), line
+    assert line.endswith(": smaller tiles or fewer stages"), line
+    assert "shared memory than" not in grading.explain(OutOfResources(300, 255, "registers"))
+
+
 def test_setup_warns_only_about_combinations_that_cannot_work(monkeypatch):
     cpu, gpu = kc.World(False, "cpu", "CPU", None), kc.World(True, "cuda", "GPU", (9, 0))
 

@@ -357,14 +357,6 @@ def _config_problem(config) -> str | None:
     return None
 
 
-def _shared_memory_hint(exc: BaseException) -> str | None:
-    """What to change when a launch failed for want of shared memory (None for any other failure)."""
-    if "shared memory" in str(exc).lower() or "OutOfResources" in type(exc).__name__:
-        return (f"this config needs more shared memory than this GPU has ({exc}): smaller tiles or fewer "
-                "stages")
-    return None
-
-
 @exercise("05.4", "tiles for your GPU", names=("matmul_kernel", "matmul_config"))
 def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
     import torch
@@ -396,7 +388,7 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
             if world().gpu:
                 torch.cuda.synchronize()
         except Exception as exc:
-            return report.fail(f"{what}: {_shared_memory_hint(exc) or explain(exc)}")
+            return report.fail(f"{what}: {explain(exc)}")
         if outside_writes(POISON, c_full, data_mask(c_full.shape, M, N)):
             return report.fail(f"{what}: wrote outside C (is matmul_kernel the one from exercise 05.2, masks and all?)")
         got, A, B = host(c), exact(a), exact(b)
@@ -422,7 +414,7 @@ def grade_matmul_config(report: Report, matmul_kernel, matmul_config):
         compiled = run(a, b, c)
         torch.cuda.synchronize()
     except Exception as exc:
-        return report.fail(f"{what}: {_shared_memory_hint(exc) or explain(exc)}")
+        return report.fail(f"{what}: {explain(exc)}")
     if not torch.allclose(c.float(), (a.float() @ b.float()), rtol=2e-2, atol=0.5):
         return report.fail(f"{what}: the result is wrong at this size, so its speed is not graded")
     from ..targets import speed_peer

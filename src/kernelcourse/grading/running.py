@@ -74,6 +74,8 @@ def explain(exc: BaseException) -> str:
         return ("the GPU reported an illegal memory access (a load or store outside any allocation); "
                 "this process's GPU context is now unusable: fix the masks, then restart the kernel; "
                 f"{SANITIZER} and see which load it was")
+    if type(exc).__name__ == "OutOfResources" and "shared memory" in str(exc):  # Triton's launch check
+        return f"the launch needs more shared memory than this GPU has ({exc}): smaller tiles or fewer stages"
     if isinstance(exc, IndexError) or "out of bounds" in str(exc).lower():
         # the simulator names the first thread that failed, which varies from run to run: leave it out
         return f"out-of-bounds access{where(exc)}: a thread past the end of the data read or wrote memory"
